@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (set up, then run the benchmark) and `make test` (set up, then
+# lint, type-check and run the whole test suite). Both build .venv from scratch when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint gpu-test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# the CPU build of torch first: an open range would download a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ckptstream bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -m "not gpu and not slow"
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

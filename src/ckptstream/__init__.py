@@ -1,0 +1,28 @@
+"""ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
+
+from ._errors import (
+    CkptStreamError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StateMismatchWarning,
+    TruncatedFileError,
+    UnsupportedTypeError,
+)
+from ._settings import Settings, current_settings, settings
+from ._transfer import device_to_file, file_to_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CkptStreamError",
+    "CorruptCheckpointError",
+    "Settings",
+    "StateMismatchError",
+    "StateMismatchWarning",
+    "TruncatedFileError",
+    "UnsupportedTypeError",
+    "current_settings",
+    "device_to_file",
+    "file_to_device",
+    "settings",
+]

@@ -1,0 +1,84 @@
+"""Staging buffers: page-aligned host memory, page-locked (pinned) on a CUDA machine, pooled.
+
+Buffers are anonymous mmaps (page-aligned, as O_DIRECT needs) registered with CUDA so that
+device copies into and out of them run asynchronously at full PCIe speed. They are reused
+across transfers and released at interpreter exit or by ``release_all``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import mmap
+import threading
+
+import torch
+
+
+class StagingBuffer:
+    """One aligned host buffer, seen as a uint8 tensor (for device copies) and a memoryview (for I/O)."""
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        self.size, self.pinned = size, pinned
+        self._map = mmap.mmap(-1, size)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.ptr = self.tensor.data_ptr()
+        self.view = memoryview((ctypes.c_char * size).from_address(self.ptr)).cast("B")
+        if pinned:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.ptr, size, 0))
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of a {size}-byte staging buffer failed (cudaError {err})")
+
+    def free(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.pinned = False
+        self.view.release()
+        del self.tensor
+        self._map.close()
+
+
+class BufferPool:
+    """Process-wide pool of idle staging buffers, keyed by (size, pinned)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[int, bool], list[StagingBuffer]] = {}
+        self._lock = threading.Lock()
+        self.in_use = 0
+
+    def acquire(self, size: int, count: int, pinned: bool) -> list[StagingBuffer]:
+        with self._lock:
+            idle = self._idle.setdefault((size, pinned), [])
+            taken = [idle.pop() for _ in range(min(count, len(idle)))]
+        try:
+            while len(taken) < count:
+                taken.append(StagingBuffer(size, pinned))
+        except BaseException:
+            with self._lock:
+                self._idle[(size, pinned)].extend(taken)
+            raise
+        with self._lock:
+            self.in_use += count
+        return taken
+
+    def release(self, buffers: list[StagingBuffer]) -> None:
+        with self._lock:
+            for buf in buffers:
+                self._idle.setdefault((buf.size, buf.pinned), []).append(buf)
+            self.in_use -= len(buffers)
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.size for bufs in self._idle.values() for b in bufs)
+
+    def release_all(self) -> None:
+        """Free every idle buffer (unpin and unmap). Buffers in use stay with their transfer."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for bufs in idle.values():
+            for buf in bufs:
+                buf.free()
+
+
+POOL = BufferPool()
+atexit.register(POOL.release_all)

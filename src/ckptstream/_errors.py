@@ -1,0 +1,38 @@
+"""The package's own exceptions: one base, each subclass also a built-in it refines."""
+
+from __future__ import annotations
+
+
+class CkptStreamError(Exception):
+    """Base of every error raised by ckptstream itself (OS errors propagate as OSError)."""
+
+
+class TruncatedFileError(CkptStreamError, EOFError):
+    """A file ended before the bytes a read needed."""
+
+    def __init__(self, path: str, offset: int, expected: int, found: int) -> None:
+        super().__init__(
+            f"{path} is too short: reading {expected} bytes at offset {offset} found only "
+            f"{found}; the file is truncated or the offset/size is wrong"
+        )
+        self.path, self.offset, self.expected, self.found = path, offset, expected, found
+
+
+class CorruptCheckpointError(CkptStreamError, ValueError):
+    """A checkpoint file is malformed or its data does not match its checksums."""
+
+
+class StateMismatchError(CkptStreamError, ValueError):
+    """The state given to load_into does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class UnsupportedTypeError(CkptStreamError, TypeError):
+    """A state holds a value that cannot be stored (an object, an unsupported dtype)."""
+
+
+class StateMismatchWarning(UserWarning):
+    """load_into(strict=False) skipped keys; ``missing`` and ``unexpected`` list them."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message)
+        self.missing, self.unexpected = missing, unexpected

@@ -1,0 +1,84 @@
+"""Logical (row-major) bytes of any tensor, contiguous or not, in bounded pieces.
+
+A contiguous tensor's bytes are a flat uint8 view of it: copies go straight to or from the
+staging buffer. A non-contiguous tensor (a transpose, a strided slice, an expanded view) moves
+through a small temporary on its own device, one chunk's worth of whole elements at a time, so
+no full-size copy is ever made. Chunk edges may cut an element in two; on load the leading bytes
+of the cut element wait in a per-tensor ``carry`` until the next chunk completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's bytes (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def row_major_blocks(t: torch.Tensor, e0: int, e1: int) -> Iterator[torch.Tensor]:
+    """Rectangular sub-views of ``t`` that together hold its elements e0..e1 in row-major order."""
+    if e0 >= e1:
+        return
+    if t.is_contiguous():
+        yield t.reshape(-1)[e0:e1]
+        return
+    row = t.numel() // t.shape[0]
+    first_full, end_full = -(-e0 // row), e1 // row
+    if first_full > end_full:  # the range lies inside one row
+        r = e0 // row
+        yield from row_major_blocks(t[r], e0 - r * row, e1 - r * row)
+        return
+    if e0 % row:
+        r = e0 // row
+        yield from row_major_blocks(t[r], e0 - r * row, row)
+    if end_full > first_full:
+        yield t[first_full:end_full]
+    if e1 % row:
+        yield from row_major_blocks(t[end_full], 0, e1 - end_full * row)
+
+
+def copy_out(t: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
+    """Copy logical bytes lo..hi of ``t`` into the uint8 tensor ``dst`` (asynchronously on CUDA)."""
+    if t.is_contiguous():
+        dst.copy_(flat_bytes(t)[lo:hi], non_blocking=True)
+        return
+    esz = t.element_size()
+    e0, e1 = lo // esz, -(-hi // esz)
+    tmp = torch.empty(e1 - e0, dtype=t.dtype, device=t.device)
+    pos = 0
+    for block in row_major_blocks(t, e0, e1):
+        tmp[pos : pos + block.numel()].view(block.shape).copy_(block)
+        pos += block.numel()
+    dst.copy_(tmp.view(torch.uint8)[lo - e0 * esz : hi - e0 * esz], non_blocking=True)
+
+
+def copy_in(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.Tensor | None) -> None:
+    """Copy the uint8 tensor ``src`` into logical bytes lo..hi of ``t``.
+
+    For a non-contiguous ``t`` the pieces of one tensor must arrive in order, with the same
+    ``carry`` (a uint8 tensor of one element's size on t's device).
+    """
+    if t.is_contiguous():
+        flat_bytes(t)[lo:hi].copy_(src, non_blocking=True)
+        return
+    assert carry is not None
+    esz = t.element_size()
+    e0, e1 = lo // esz, -(-hi // esz)
+    tmp = torch.empty((e1 - e0) * esz, dtype=torch.uint8, device=t.device)
+    head = lo - e0 * esz
+    if head:
+        tmp[:head].copy_(carry[:head])
+    tmp[head : head + hi - lo].copy_(src, non_blocking=True)
+    complete = hi // esz  # elements before this index are whole now
+    elems = tmp.view(t.dtype)
+    pos = 0
+    for block in row_major_blocks(t, e0, complete):
+        block.copy_(elems[pos : pos + block.numel()].view(block.shape))
+        pos += block.numel()
+    tail = hi - complete * esz
+    if tail:
+        carry[:tail].copy_(tmp[(complete - e0) * esz : hi - e0 * esz])

@@ -1,0 +1,276 @@
+"""The streaming engine: tensors <-> one byte range of a file, through a few staging buffers.
+
+Save, per chunk: take a free buffer -> enqueue the device-to-host copies of the chunk's bytes on
+a side stream (which first waits for the caller's stream) -> record an event -> an I/O thread
+waits for that event, checksums and pwrites the buffer -> the buffer is free again.
+Load mirrors it: I/O threads wait until the buffer's previous host-to-device copies are done,
+pread and checksum -> the caller's thread enqueues host-to-device copies in chunk order and
+records an event. Many small tensors share one chunk; one large tensor spans many chunks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import _checksum, _fileio
+from ._buffers import POOL, StagingBuffer
+from ._errors import TruncatedFileError
+from ._layout import copy_in, copy_out
+from ._settings import Settings
+from ._streams import Streams
+
+Progress = Callable[[int], None]
+
+
+@dataclasses.dataclass
+class Span:
+    """A tensor's logical bytes at ``offset`` in the file; ``tensor=None`` reads bytes only
+    (to checksum them)."""
+
+    tensor: torch.Tensor | None
+    offset: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, offset: int) -> Span:
+        return cls(tensor, offset, tensor.numel() * tensor.element_size())
+
+
+@dataclasses.dataclass
+class Piece:
+    span: int  # index into the span list
+    lo: int  # byte range inside the span's tensor
+    hi: int
+    buf_lo: int  # where those bytes sit in the staging buffer
+
+
+@dataclasses.dataclass
+class Chunk:
+    index: int
+    start: int  # file byte range of the chunk
+    stop: int
+    grid: int  # file offset that the staging buffer's byte 0 stands for (aligned)
+    pieces: list[Piece]
+
+
+def plan_chunks(spans: Sequence[Span], buffer_size: int, align: int) -> list[Chunk]:
+    """Cut the back-to-back spans into chunks on a grid of ``buffer_size`` aligned to ``align``,
+    so that every chunk but the first starts on an aligned file offset (O_DIRECT)."""
+    if not spans:
+        return []
+    begin, end = spans[0].offset, spans[-1].offset + spans[-1].nbytes
+    starts = [s.offset for s in spans]
+    chunks: list[Chunk] = []
+    grid = _fileio.round_down(begin, align)
+    while grid < end:
+        start, stop = max(begin, grid), min(end, grid + buffer_size)
+        pieces = []
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(spans) and spans[i].offset < stop:
+            s = spans[i]
+            lo, hi = max(start, s.offset), min(stop, s.offset + s.nbytes)
+            if hi > lo:
+                pieces.append(Piece(i, lo - s.offset, hi - s.offset, lo - grid))
+            i += 1
+        chunks.append(Chunk(len(chunks), start, stop, grid, pieces))
+        grid += buffer_size
+    return chunks
+
+
+class _Run:
+    """State shared by the caller's thread and the I/O threads of one transfer."""
+
+    def __init__(self, ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, writing: bool,
+                 stream: torch.cuda.Stream | None, checksum: bool, progress: Progress | None) -> None:
+        self.ep, self.spans, self.cfg, self.checksum = ep, spans, cfg, checksum
+        tensors = [s.tensor for s in spans if s.tensor is not None]
+        self.streams = Streams(tensors, stream)
+        align = _fileio.ALIGN
+        direct = cfg.direct_io if cfg.direct_io is not None else writing  # reads keep the page cache
+        if direct and cfg.buffer_size % align:
+            if cfg.direct_io:
+                raise ValueError(f"direct_io=True needs buffer_size to be a multiple of {align}, got {cfg.buffer_size}")
+            direct = False
+        if direct and ep.direct_fd is None:
+            ep.direct_fd = _fileio.open_direct(ep.fd, ep.path, writing, force=bool(cfg.direct_io))
+        self.direct_fd = ep.direct_fd
+        self.chunks = plan_chunks(spans, cfg.buffer_size, align if self.direct_fd is not None else 1)
+        self.crcs: list[list[tuple[int, int, int]]] = [[] for _ in self.chunks]  # (span, crc, len)
+        self.carries: dict[int, torch.Tensor] = {}
+        self._progress, self._progress_lock = progress, threading.Lock()
+
+    def checksum_pieces(self, chunk: Chunk, buf: StagingBuffer) -> None:
+        if self.checksum:
+            self.crcs[chunk.index] = [
+                (p.span, _checksum.crc_of(buf.view[p.buf_lo : p.buf_lo + p.hi - p.lo]), p.hi - p.lo)
+                for p in chunk.pieces
+            ]
+
+    def span_checksums(self) -> list[int]:
+        """The CRC-32C of every span, combined from its pieces in file order."""
+        pieces: list[list[tuple[int, int]]] = [[] for _ in self.spans]
+        for chunk_crcs in self.crcs:
+            for span, crc, length in chunk_crcs:
+                pieces[span].append((crc, length))
+        return [_checksum.combine_pieces(p) for p in pieces]
+
+    def progressed(self, nbytes: int) -> None:
+        if self._progress is not None:
+            with self._progress_lock:
+                self._progress(nbytes)
+
+    def carry(self, span: int, t: torch.Tensor) -> torch.Tensor | None:
+        if t.is_contiguous():
+            return None
+        if span not in self.carries:
+            self.carries[span] = torch.empty(t.element_size(), dtype=torch.uint8, device=t.device)
+        return self.carries[span]
+
+
+def _buffers_for(run: _Run) -> list[StagingBuffer]:
+    count = min(run.cfg.num_buffers, len(run.chunks))
+    return POOL.acquire(run.cfg.buffer_size, count, pinned=run.streams.cuda)
+
+
+def _finish(run: _Run, buffers: list[StagingBuffer], pool: concurrent.futures.ThreadPoolExecutor,
+            failed: bool) -> None:
+    """Join the I/O threads and return the buffers once no device copy can touch them."""
+    pool.shutdown(wait=True, cancel_futures=True)
+    try:
+        run.streams.synchronize()
+    except BaseException:
+        if not failed:
+            raise
+        return  # the device is in an error state: never hand these buffers to another transfer
+    POOL.release(buffers)
+
+
+def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
+                stream: torch.cuda.Stream | None = None, checksum: bool = False,
+                progress: Progress | None = None) -> list[int]:
+    """Write the spans' tensors to ``ep``; returns their CRC-32Cs when ``checksum``."""
+    run = _Run(ep, spans, cfg, True, stream, checksum, progress)
+    if not run.chunks:
+        return [0] * len(spans)
+    buffers = _buffers_for(run)
+    free: queue.Queue[StagingBuffer] = queue.Queue()
+    for b in buffers:
+        free.put(b)
+    errors: list[BaseException] = []
+    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), "ckptstream-write")
+
+    def write_chunk(chunk: Chunk, buf: StagingBuffer, events: list[torch.cuda.Event]) -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            run.checksum_pieces(chunk, buf)
+            _write_chunk(run, chunk, buf)
+            run.progressed(chunk.stop - chunk.start)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            free.put(buf)
+
+    ok = False
+    try:
+        with torch.no_grad():
+            for chunk in run.chunks:
+                buf = free.get()
+                if errors:
+                    raise errors[0]
+                for p in chunk.pieces:
+                    t = spans[p.span].tensor
+                    assert t is not None
+                    with run.streams.side(t):
+                        copy_out(t, p.lo, p.hi, buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo])
+                pool.submit(write_chunk, chunk, buf, run.streams.record())
+        pool.shutdown(wait=True)
+        if errors:
+            raise errors[0]
+        ok = True
+    finally:
+        _finish(run, buffers, pool, failed=not ok)
+    return run.span_checksums() if checksum else []
+
+
+def _write_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
+    """pwrite one chunk; with O_DIRECT the aligned middle goes direct, unaligned edges buffered
+    (padding the edges instead would overwrite bytes that follow in an existing file)."""
+    ep, a = run.ep, _fileio.ALIGN
+    lo, hi = chunk.start, chunk.stop
+    if run.direct_fd is not None:
+        a_lo, a_hi = _fileio.round_up(lo, a), _fileio.round_down(hi, a)
+        if a_lo < a_hi:
+            _fileio.pwrite_all(run.direct_fd, buf.view[a_lo - chunk.grid : a_hi - chunk.grid], a_lo, ep.path)
+            _fileio.pwrite_all(ep.fd, buf.view[lo - chunk.grid : a_lo - chunk.grid], lo, ep.path)
+            _fileio.pwrite_all(ep.fd, buf.view[a_hi - chunk.grid : hi - chunk.grid], a_hi, ep.path)
+            return
+    _fileio.pwrite_all(ep.fd, buf.view[lo - chunk.grid : hi - chunk.grid], lo, ep.path)
+
+
+def _read_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
+    ep = run.ep
+    if run.direct_fd is not None:  # whole aligned blocks; bytes beyond the chunk are ignored
+        lo = _fileio.round_down(chunk.start, _fileio.ALIGN)
+        hi = _fileio.round_up(chunk.stop, _fileio.ALIGN)
+        got = _fileio.pread_into(run.direct_fd, buf.view[lo - chunk.grid : hi - chunk.grid], lo, ep.path)
+        need = chunk.stop - lo
+    else:
+        lo = chunk.start
+        got = _fileio.pread_into(ep.fd, buf.view[lo - chunk.grid : chunk.stop - chunk.grid], lo, ep.path)
+        need = chunk.stop - lo
+    if got < need:
+        raise TruncatedFileError(ep.path, lo, need, got)
+
+
+def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
+               stream: torch.cuda.Stream | None = None, checksum: bool = False,
+               progress: Progress | None = None) -> list[int]:
+    """Fill the spans' tensors from ``ep``; returns the CRC-32Cs of the bytes read when ``checksum``."""
+    run = _Run(ep, spans, cfg, False, stream, checksum, progress)
+    if not run.chunks:
+        return [0] * len(spans)
+    buffers = _buffers_for(run)
+    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), "ckptstream-read")
+    # the host-to-device copies still reading each buffer, waited for before it is refilled
+    in_use: dict[int, list[torch.cuda.Event]] = {id(b): [] for b in buffers}
+
+    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> None:
+        for event in in_use[id(buf)]:
+            event.synchronize()
+        _read_chunk(run, chunk, buf)
+        run.checksum_pieces(chunk, buf)
+
+    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[None]]] = collections.deque()
+    upcoming = iter(run.chunks)
+    ok = False
+    try:
+        for buf, chunk in zip(buffers, upcoming):
+            pending.append((chunk, buf, pool.submit(read_chunk, chunk, buf)))
+        with torch.no_grad():
+            while pending:
+                chunk, buf, future = pending.popleft()
+                future.result()
+                for p in chunk.pieces:
+                    t = spans[p.span].tensor
+                    if t is not None:
+                        with run.streams.side(t):
+                            copy_in(buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo], t, p.lo, p.hi, run.carry(p.span, t))
+                in_use[id(buf)] = run.streams.record()
+                run.progressed(chunk.stop - chunk.start)
+                nxt = next(upcoming, None)
+                if nxt is not None:
+                    pending.append((nxt, buf, pool.submit(read_chunk, nxt, buf)))
+        run.streams.hand_back()
+        ok = True
+    finally:
+        _finish(run, buffers, pool, failed=not ok)
+    return run.span_checksums() if checksum else []

@@ -1,0 +1,54 @@
+"""CUDA stream ordering for one transfer: a side stream per device, ordered by events with the
+caller's stream. On a CPU-only transfer every method is a no-op."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import ContextManager
+
+import torch
+
+
+class Streams:
+    def __init__(self, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+        devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
+        self.cuda = bool(devices)
+        self._caller: dict[torch.device, torch.cuda.Stream] = {}
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self._touched: set[torch.device] = set()
+        for device in devices:
+            use_given = stream is not None and stream.device == device
+            caller = stream if use_given else torch.cuda.current_stream(device)
+            assert caller is not None
+            side = torch.cuda.Stream(device=device)  # from torch's stream pool: cheap
+            side.wait_stream(caller)  # the copies see every kernel queued before the call
+            self._caller[device], self._side[device] = caller, side
+
+    def side(self, t: torch.Tensor) -> ContextManager[object]:
+        """Make ``t``'s side stream current (device copies of ``t`` go there)."""
+        if not t.is_cuda:
+            return contextlib.nullcontext()
+        self._touched.add(t.device)
+        return torch.cuda.stream(self._side[t.device])
+
+    def record(self) -> list[torch.cuda.Event]:
+        """Events marking the copies enqueued since the last call."""
+        events = []
+        for device in self._touched:
+            event = torch.cuda.Event()
+            event.record(self._side[device])
+            events.append(event)
+        self._touched.clear()
+        return events
+
+    def hand_back(self) -> None:
+        """Order the caller's streams after the copies (work queued after a load sees the data)."""
+        for device, side in self._side.items():
+            self._caller[device].wait_stream(side)
+
+    def synchronize(self) -> None:
+        for side in self._side.values():
+            side.synchronize()
