@@ -8,6 +8,8 @@ from ._errors import (
     TruncatedFileError,
     UnsupportedTypeError,
 )
+from ._checkpoint import load, read_metadata, save, verify
+from ._load_into import load_into
 from ._settings import Settings, current_settings, settings
 from ._transfer import device_to_file, file_to_device
 
@@ -24,5 +26,10 @@ __all__ = [
     "current_settings",
     "device_to_file",
     "file_to_device",
+    "load",
+    "load_into",
+    "read_metadata",
+    "save",
     "settings",
+    "verify",
 ]

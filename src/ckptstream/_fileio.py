@@ -8,6 +8,8 @@ import dataclasses
 import errno
 import io
 import os
+import socket
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import IO, Union
@@ -48,6 +50,15 @@ class Endpoint:
     direct_fd: int | None = None
     owned: bool = False
 
+    def close(self) -> None:
+        """Close the O_DIRECT twin, and the fd itself if this endpoint opened it."""
+        if self.direct_fd is not None:
+            fd, self.direct_fd = self.direct_fd, None
+            os.close(fd)
+        if self.owned:
+            self.owned = False
+            os.close(self.fd)
+
 
 def open_direct(fd: int, path: str, writing: bool, force: bool) -> int | None:
     """Reopen ``fd`` with O_DIRECT; None where the file system refuses it (tmpfs) and not forced."""
@@ -66,11 +77,8 @@ def open_direct(fd: int, path: str, writing: bool, force: bool) -> int | None:
 
 @contextlib.contextmanager
 def endpoint(file: FileLike, offset: int | None, writing: bool) -> Iterator[Endpoint]:
-    """Open ``file`` for one transfer and, with ``offset=None``, advance its position on success.
-
-    The caller sets ``ep.moved`` semantics by passing the byte count to ``advance``; here the
-    position is moved by ``Endpoint.start`` bookkeeping done in ``finish_position``.
-    """
+    """Open ``file`` for one transfer, starting at ``offset`` or at the file's position.
+    Descriptors opened here are closed on exit; ``advance_position`` moves the position after."""
     if offset is not None and (not isinstance(offset, int) or offset < 0):
         raise ValueError(f"offset must be a non-negative int or None, got {offset!r}")
     if isinstance(file, (str, os.PathLike)):
@@ -94,10 +102,7 @@ def endpoint(file: FileLike, offset: int | None, writing: bool) -> Iterator[Endp
     try:
         yield ep
     finally:
-        if ep.direct_fd is not None:
-            os.close(ep.direct_fd)
-        if ep.owned:
-            os.close(ep.fd)
+        ep.close()
 
 
 def advance_position(file: FileLike, offset: int | None, new_position: int) -> None:
@@ -140,8 +145,6 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
 def check_length(fd: int, path: str, offset: int, nbytes: int) -> None:
     """Fail before any device work when a regular file is too short for the read."""
     st = os.fstat(fd)
-    import stat
-
     if stat.S_ISREG(st.st_mode) and st.st_size < offset + nbytes:
         raise TruncatedFileError(path, offset, nbytes, max(0, st.st_size - offset))
 
@@ -165,9 +168,36 @@ TEMP_MARK = ".ckptstream-tmp-"
 
 
 def temp_path_for(path: str) -> str:
-    """A unique temp name beside ``path``; it names the writer's pid so stale ones are recognisable."""
+    """A unique temp name beside ``path``, naming the writer's host and pid so that a later
+    writer can tell a stale one (its writer gone) from a live one."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(directory, f".{name}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Delete temp files of ``path`` left by writers on this host that no longer run."""
+    directory, name = os.path.split(path)
+    prefix = f".{name}{TEMP_MARK}{socket.gethostname()}-"
+    removed = []
+    for entry in os.listdir(directory or "."):
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, entry))
+                removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def publish(temp: str, path: str) -> None:

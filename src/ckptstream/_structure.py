@@ -1,0 +1,253 @@
+"""State trees <-> a flat tensor table plus a JSON description of everything else.
+
+The JSON (stored in the header's metadata) is plain data, never code: containers are tagged
+objects, scalars are JSON values, and each tensor leaf names a row of the tensor table.
+
+    {"dict": [[key, node], ...]}   {"odict": [...]}   {"list": [...]}   {"tuple": [...]}
+    {"tensor": name}                                  a tensor stored under ``name``
+    {"view": [base, dtype, shape, stride, offset]}    a view into the bytes of tensor ``base``
+    {"float": "nan" | "inf" | "-inf"}                 non-finite floats (JSON has none)
+    null, true/false, 12, 1.5, "text"                 the other leaves
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, Union
+
+import torch
+
+from ._errors import CorruptCheckpointError, UnsupportedTypeError
+from ._format import DTYPE_NAMES, DTYPES
+
+Key = Union[str, int]
+Path = tuple[Key, ...]
+_CONTAINERS = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
+
+
+def path_str(path: Path) -> str:
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
+def walk(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every leaf with its key path; raises UnsupportedTypeError on anything not storable."""
+    kind = _CONTAINERS.get(type(state))
+    if kind in ("dict", "odict"):
+        for key, value in state.items():
+            if type(key) not in (str, int):
+                raise UnsupportedTypeError(f"{path_str(path)}: dict key {key!r} is a {type(key).__name__}; "
+                                           "only str and int keys can be stored")  # fmt: skip
+            yield from walk(value, (*path, key))
+    elif kind:
+        for i, value in enumerate(state):
+            yield from walk(value, (*path, i))
+    elif state is None or type(state) in (bool, int, float, str):
+        yield path, state
+    elif isinstance(state, torch.Tensor):
+        _check_tensor(path, state)
+        yield path, state
+    else:
+        raise UnsupportedTypeError(
+            f"{path_str(path)}: cannot store a {type(state).__module__}.{type(state).__qualname__}; a state may hold "
+            "dict, OrderedDict, list, tuple, torch.Tensor, None, bool, int, float and str (convert it first, "
+            "e.g. int(x) for a numpy integer)"
+        )
+
+
+def _check_tensor(path: Path, t: torch.Tensor) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedTypeError(f"{path_str(path)}: tensor subclass {type(t).__name__} is not supported; "
+                                   "pass a plain tensor (e.g. .to_local() or .detach())")  # fmt: skip
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+        raise UnsupportedTypeError(f"{path_str(path)}: a {t.layout} tensor on {t.device} cannot be stored; "
+                                   "only dense CPU and CUDA tensors")  # fmt: skip
+    if t.dtype not in DTYPE_NAMES:
+        raise UnsupportedTypeError(f"{path_str(path)}: dtype {t.dtype} has no safetensors name; "
+                                   f"supported: {sorted(str(d) for d in DTYPE_NAMES)}")  # fmt: skip
+
+
+@dataclasses.dataclass
+class Record:
+    """One row of the tensor table: a name and the tensor whose logical bytes it holds."""
+
+    name: str
+    tensor: torch.Tensor
+    paths: list[Path]  # leaves stored as this tensor (more than one: the same tensor repeated)
+
+
+@dataclasses.dataclass
+class Flat:
+    tree: Any  # JSON-able
+    records: list[Record]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range of ``t`` within its storage."""
+    esz = t.element_size()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.storage_offset() * esz, (t.storage_offset() + last + 1) * esz
+
+
+def _signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def flatten(state: Any) -> Flat:
+    """Split ``state`` into the tensor table and the JSON tree (raises before any I/O)."""
+    leaves = list(walk(state))
+    names: dict[str, int] = {}
+    records: list[Record] = []
+    by_storage: dict[tuple[torch.device, int], list[tuple[Path, torch.Tensor]]] = {}
+    for path, value in leaves:
+        if isinstance(value, torch.Tensor) and value.numel():
+            by_storage.setdefault((value.device, value.untyped_storage().data_ptr()), []).append((path, value))
+    node_of: dict[Path, Any] = {}
+
+    def add_record(path: Path, t: torch.Tensor, suffix: str = "") -> Record:
+        base = path_str(path) + suffix if path else "tensor"
+        name, n = base, names.get(base, 0)
+        while name in names:  # keys like "a.b" and ("a", "b") would collide
+            n += 1
+            name = f"{base}~{n}"
+        names[base] = n
+        names.setdefault(name, 0)
+        record = Record(name, t, [path])
+        records.append(record)
+        return record
+
+    for group in by_storage.values():
+        for component in _overlapping(group):
+            _share(component, add_record, node_of)
+    for path, value in leaves:
+        if isinstance(value, torch.Tensor) and path not in node_of:
+            node_of[path] = {"tensor": add_record(path, value).name}
+    return Flat(_encode(state, (), node_of), records)
+
+
+def _overlapping(group: list[tuple[Path, torch.Tensor]]) -> list[list[tuple[Path, torch.Tensor]]]:
+    """Leaves of one storage, in components whose byte ranges overlap (sorted sweep)."""
+    items = sorted(group, key=lambda pt: _extent(pt[1]))
+    components: list[list[tuple[Path, torch.Tensor]]] = []
+    end = -1
+    for path, t in items:
+        lo, hi = _extent(t)
+        if lo >= end:
+            components.append([])
+        components[-1].append((path, t))
+        end = max(end, hi)
+    return [c for c in components if len(c) > 1]
+
+
+def _share(component: list[tuple[Path, torch.Tensor]], add_record: Callable[..., Record],
+           node_of: dict[Path, Any]) -> None:
+    """Store overlapping leaves once: identical ones as one record, others as views of a base."""
+    distinct: dict[tuple[Any, ...], list[tuple[Path, torch.Tensor]]] = {}
+    for path, t in component:
+        distinct.setdefault(_signature(t), []).append((path, t))
+    if len(distinct) == 1:  # the same tensor (or an identical view) repeated
+        (same,) = distinct.values()
+        record = add_record(same[0][0], same[0][1])
+        record.paths = [p for p, _ in same]
+        for p, _ in same:
+            node_of[p] = {"tensor": record.name}
+        return
+    lo = min(_extent(t)[0] for _, t in component) // 16 * 16  # 16: any element size divides it
+    hi = max(_extent(t)[1] for _, t in component)
+    first_path, first = component[0]
+    blob = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+    base = add_record(first_path, blob, suffix=".__storage__")
+    base.paths = []  # raw storage bytes, not a leaf of its own
+    for path, t in component:
+        start = _extent(t)[0] - lo
+        node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), start]}
+
+
+def _encode(value: Any, path: Path, node_of: dict[Path, Any]) -> Any:
+    kind = _CONTAINERS.get(type(value))
+    if kind in ("dict", "odict"):
+        return {kind: [[k, _encode(v, (*path, k), node_of)] for k, v in value.items()]}
+    if kind:
+        return {kind: [_encode(v, (*path, i), node_of) for i, v in enumerate(value)]}
+    if isinstance(value, torch.Tensor):
+        return node_of[path]
+    if type(value) is float and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value
+
+
+Resolve = Callable[[Path, dict[str, Any]], Any]
+
+
+def unflatten(tree: Any, resolve: Resolve, where: str, path: Path = ()) -> Any:
+    """Rebuild a state from its JSON tree; ``resolve(path, node)`` gives each tensor leaf."""
+    if isinstance(tree, dict):
+        if len(tree) != 1:
+            raise CorruptCheckpointError(f"{where}: structure node at {path_str(path)} has keys {sorted(tree)}")
+        (tag, body), = tree.items()  # fmt: skip
+        if tag in ("dict", "odict") and isinstance(body, list):
+            pairs = []
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
+                    raise CorruptCheckpointError(f"{where}: bad dict entry at {path_str(path)}")
+                pairs.append((item[0], unflatten(item[1], resolve, where, (*path, item[0]))))
+            return dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
+        if tag in ("list", "tuple") and isinstance(body, list):
+            items = [unflatten(v, resolve, where, (*path, i)) for i, v in enumerate(body)]
+            return items if tag == "list" else tuple(items)
+        if tag in ("tensor", "view"):
+            return resolve(path, tree)
+        if tag == "float" and body in ("nan", "inf", "-inf"):
+            return float(body)
+        raise CorruptCheckpointError(f"{where}: unknown structure node {tag!r} at {path_str(path)}")
+    if tree is None or type(tree) in (bool, int, float, str):
+        return tree
+    raise CorruptCheckpointError(f"{where}: unexpected {type(tree).__name__} in the structure at {path_str(path)}")
+
+
+def tensor_leaves(tree: Any, where: str) -> dict[Path, dict[str, Any]]:
+    """The tensor nodes of a tree by path (the tree is validated on the way)."""
+    found: dict[Path, dict[str, Any]] = {}
+
+    def collect(path: Path, node: dict[str, Any]) -> None:
+        found[path] = node
+
+    unflatten(tree, lambda p, n: collect(p, n), where)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    base: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # bytes into the base
+
+
+def parse_view(node: dict[str, Any], base_nbytes: dict[str, int], where: str) -> View:
+    """Validate a view node against the tensor table (bounds, alignment) before any allocation."""
+    body = node["view"]
+    ok = isinstance(body, list) and len(body) == 5
+    if ok:
+        base, dtype, shape, stride, offset = body
+        ok = (base in base_nbytes and dtype in DTYPES and isinstance(shape, list) and isinstance(stride, list)
+              and len(shape) == len(stride) and all(type(v) is int and v >= 0 for v in [*shape, *stride, offset]))  # fmt: skip
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: malformed view {body!r:.200}")
+    view = View(base, DTYPES[dtype], tuple(shape), tuple(stride), offset)
+    esz = view.dtype.itemsize
+    extent = (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * esz if all(shape) else 0
+    if offset % esz or offset + extent > base_nbytes[base]:
+        raise CorruptCheckpointError(f"{where}: view of {base!r} at byte {offset} ({extent} bytes) does not fit "
+                                     f"its {base_nbytes[base]} bytes")  # fmt: skip
+    return view
+
+
+def make_view(base: torch.Tensor, view: View) -> torch.Tensor:
+    storage_offset = (base.storage_offset() * base.element_size() + view.offset) // view.dtype.itemsize
+    return torch.empty(0, dtype=view.dtype, device=base.device).set_(
+        base.untyped_storage(), storage_offset, view.shape, view.stride
+    )
