@@ -1,5 +1,6 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
+from ._checkpoint import load, read_metadata, save, verify
 from ._errors import (
     CkptStreamError,
     CorruptCheckpointError,
@@ -8,7 +9,6 @@ from ._errors import (
     TruncatedFileError,
     UnsupportedTypeError,
 )
-from ._checkpoint import load, read_metadata, save, verify
 from ._load_into import load_into
 from ._settings import Settings, current_settings, settings
 from ._transfer import device_to_file, file_to_device

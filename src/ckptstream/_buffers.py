@@ -25,7 +25,8 @@ class StagingBuffer:
         self.ptr = self.tensor.data_ptr()
         self.view = memoryview((ctypes.c_char * size).from_address(self.ptr)).cast("B")
         if pinned:
-            err = int(torch.cuda.cudart().cudaHostRegister(self.ptr, size, 0))
+            # portable (flag 1): pinned for every GPU of the process, not only the current one
+            err = int(torch.cuda.cudart().cudaHostRegister(self.ptr, size, 1))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of a {size}-byte staging buffer failed (cudaError {err})")
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import _fileio
-from ._errors import CorruptCheckpointError
-from ._format import Header, encode, layout, parse_json, read_header
+from . import _checksum, _fileio
+from ._errors import CorruptCheckpointError, UnsupportedTypeError
+from ._format import DTYPE_RANK, MAX_HEADER, Header, encode, layout, parse_json, read_header
 from ._pipeline import Span, read_spans, write_spans
 from ._settings import Settings, resolve
 from ._structure import Path, View, flatten, make_view, parse_view, path_str, tensor_leaves, unflatten
@@ -29,6 +29,7 @@ PREFIX = "ckptstream."
 FORMAT_KEY, FORMAT_VERSION = PREFIX + "format", "1"
 STRUCTURE_KEY = PREFIX + "structure"
 CRC_KEY = PREFIX + "crc32c"  # 8 hex digits per tensor, in file order
+HEADER_CRC_KEY = PREFIX + "header_crc32c"  # of the header bytes as stored, with these 8 digits as "0"s
 
 
 @contextlib.contextmanager
@@ -72,6 +73,8 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     Raises:
         UnsupportedTypeError: a value that cannot be stored (named by its key path), before
             any file is created.
+        TypeError, ValueError: metadata that is not ``str -> str`` or uses the reserved
+            ``ckptstream.`` prefix; a header over safetensors' 100 MB limit (before any file).
         OSError: from the OS (a full disk, a missing directory), with the path.
 
     Example:
@@ -79,14 +82,23 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     """
     cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, direct_io=direct_io)
     user = _user_metadata(metadata)
-    flat = flatten(state)
-    # widest elements first, as safetensors orders them: every tensor starts aligned to its dtype
-    records = sorted(flat.records, key=lambda r: -r.tensor.element_size())
+    try:
+        flat = flatten(state)
+        structure = json.dumps(flat.tree, separators=(",", ":"))
+    except RecursionError as e:
+        raise UnsupportedTypeError("the state is nested too deeply to be stored, or contains itself") from e
+    # safetensors' order (by dtype, widest first, then by name): every tensor starts aligned to its
+    # element size, and a flat dict gets the very offsets that safetensors.torch.save_file gives it
+    records = sorted(flat.records, key=lambda r: (DTYPE_RANK[r.tensor.dtype], r.name))
     infos = layout([(r.name, r.tensor.dtype, tuple(r.tensor.shape)) for r in records])
-    meta = {**user, FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: json.dumps(flat.tree, separators=(",", ":"))}
+    meta = {**user, FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure}
     if checksum:
         meta[CRC_KEY] = "0" * 8 * len(infos)  # fixed width, filled in once the data is written
+        meta[HEADER_CRC_KEY] = "0" * 8
     header = encode(infos, meta)
+    if len(header) - 8 > MAX_HEADER:
+        raise ValueError(f"the header would be {len(header) - 8} bytes, over the {MAX_HEADER}-byte limit that "
+                         "safetensors readers apply: keep large data in tensors, not in str/list leaves or metadata")
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(2, "the directory to save into does not exist; create it first", os.path.dirname(path))
@@ -100,11 +112,12 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     try:
         try:
             _fileio.pwrite_all(fd, memoryview(header), 0, temp)
-            spans = [Span.of(r.tensor, len(header) + info.begin) for r, info in zip(records, infos)]
+            spans = [Span.of(r.tensor, len(header) + info.begin) for r, info in zip(records, infos, strict=True)]
             with progress_bar(progress, sum(s.nbytes for s in spans), f"save {os.path.basename(path)}") as bar:
                 crcs = write_spans(ep, spans, cfg, checksum=checksum, progress=bar)
             if checksum:
                 meta[CRC_KEY] = "".join(f"{c:08x}" for c in crcs)
+                meta[HEADER_CRC_KEY] = f"{_checksum.crc_of(encode(infos, meta)):08x}"  # of the zeros placeholder
                 final = encode(infos, meta)
                 assert len(final) == len(header), "checksum fields must keep the header length"
                 _fileio.pwrite_all(fd, memoryview(final), 0, temp)
@@ -145,7 +158,7 @@ class Checkpoint:
             ep.close()  # the O_DIRECT twin, if one was opened; the fd stays with the Checkpoint
         if check:
             assert self.crcs is not None
-            for info, stored, computed in zip(self.header.tensors, self.crcs, got):
+            for info, stored, computed in zip(self.header.tensors, self.crcs, got, strict=True):
                 if stored != computed:
                     raise CorruptCheckpointError(
                         f"{self.path}: tensor {info.name!r} fails its CRC-32C check (stored {stored:08x}, computed "
@@ -170,6 +183,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Iterator[Checkpoint]:
 
 def _parse(path: str, fd: int, header: Header) -> Checkpoint:
     meta = header.metadata
+    if meta.get(FORMAT_KEY, FORMAT_VERSION) != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: written in ckptstream format {meta[FORMAT_KEY]!r}; this version reads "
+                                     f"format {FORMAT_VERSION!r} (a newer ckptstream may read it)")  # fmt: skip
     names = [t.name for t in header.tensors]
     if STRUCTURE_KEY in meta:
         try:
@@ -178,7 +194,10 @@ def _parse(path: str, fd: int, header: Header) -> Checkpoint:
             raise CorruptCheckpointError(f"{path}: the {STRUCTURE_KEY} metadata is not valid JSON ({e})") from e
     else:  # a plain safetensors file: a flat dict in file order
         tree = {"dict": [[n, {"tensor": n}] for n in names]}
-    leaves = tensor_leaves(tree, path)
+    try:
+        leaves = tensor_leaves(tree, path)
+    except RecursionError as e:  # Python 3.12+ parses JSON nested deeper than its own recursion limit
+        raise CorruptCheckpointError(f"{path}: the {STRUCTURE_KEY} metadata is nested too deeply") from e
     sizes = {t.name: t.nbytes for t in header.tensors}
     used: set[str] = set()
     views: dict[Path, View] = {}
@@ -198,10 +217,35 @@ def _parse(path: str, fd: int, header: Header) -> Checkpoint:
     if CRC_KEY in meta:
         text = meta[CRC_KEY]
         if len(text) != 8 * len(names) or any(c not in "0123456789abcdef" for c in text):
-            raise CorruptCheckpointError(f"{path}: {CRC_KEY} holds {len(text)} characters, expected "
-                                         f"{8 * len(names)} hex digits ({len(names)} tensors)")  # fmt: skip
+            raise CorruptCheckpointError(f"{path}: {CRC_KEY} must be {8 * len(names)} lowercase hex digits "
+                                         f"({len(names)} tensors), got {text!r:.100}")  # fmt: skip
         crcs = [int(text[i : i + 8], 16) for i in range(0, len(text), 8)]
+    if crcs is not None or HEADER_CRC_KEY in meta:
+        _check_header(path, fd, header)
     return Checkpoint(path, fd, header, tree, leaves, views, crcs)
+
+
+def _check_header(path: str, fd: int, header: Header) -> None:
+    """Compare the header with its own CRC-32C, which covers the tensor table, the structure (keys
+    and non-tensor leaves), the metadata and the tensors' checksums: none of them is covered by the
+    tensors' checksums, so without it a damaged header could load as a different state."""
+    stored = header.metadata.get(HEADER_CRC_KEY)
+    if stored is None:
+        raise CorruptCheckpointError(f"{path}: the header has tensor checksums but no {HEADER_CRC_KEY}; it is corrupt")
+    raw = bytearray(header.data_start)
+    _fileio.pread_into(fd, memoryview(raw), 0, path)
+    key = f'"{HEADER_CRC_KEY}":"'.encode()
+    at = raw.find(key) + len(key)
+    if (len(stored) != 8 or any(c not in "0123456789abcdef" for c in stored) or at < len(key)
+            or raw[at : at + 8] != stored.encode()):  # fmt: skip
+        raise CorruptCheckpointError(f"{path}: {HEADER_CRC_KEY} must be 8 lowercase hex digits, got {stored!r:.40}")
+    raw[at : at + 8] = b"0" * 8
+    computed = _checksum.crc_of(raw)
+    if computed != int(stored, 16):
+        raise CorruptCheckpointError(
+            f"{path}: the header fails its CRC-32C check (stored {stored}, computed {computed:08x}): its tensor "
+            "table, structure or metadata is corrupt; restore it from another checkpoint or copy"
+        )
 
 
 def _device(device: str | int | torch.device) -> torch.device:

@@ -15,7 +15,7 @@ ALGORITHM = "crc32c"
 _POLY = 0x82F63B78  # reflected Castagnoli polynomial
 
 
-def crc_of(data: memoryview | bytes) -> int:
+def crc_of(data: bytes | bytearray | memoryview) -> int:
     return int(crc32c.crc32c(data))
 
 
@@ -31,8 +31,11 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-_X2N = [1 << 30]  # x^(2^k) mod P for k = 0..31
-for _ in range(31):
+# x^(2^k) mod P for k = 0..63 (lengths below 2^61 bytes). zlib's table of 32 that wraps with
+# k & 31 is right for its polynomial only: for CRC-32C x^(2^31) = x, so that wrap goes wrong
+# from 512 MiB on.
+_X2N = [1 << 30]
+for _ in range(63):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
@@ -41,7 +44,7 @@ def _x8nmodp(nbytes: int) -> int:
     p, k = 1 << 31, 3
     while nbytes:
         if nbytes & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k], p)
         nbytes >>= 1
         k += 1
     return p
@@ -54,7 +57,9 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 def combine_pieces(pieces: list[tuple[int, int]]) -> int:
     """CRC-32C of consecutive pieces given as (crc, length) in order."""
-    total = 0
-    for crc, length in pieces:
+    if not pieces:
+        return 0  # the CRC-32C of no bytes
+    total = pieces[0][0]  # one piece (the common case: a small tensor) needs no combining
+    for crc, length in pieces[1:]:
         total = combine(total, crc, length)
     return total

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import io
 import os
 import socket
@@ -60,15 +61,21 @@ class Endpoint:
             os.close(self.fd)
 
 
-def open_direct(fd: int, path: str, writing: bool, force: bool) -> int | None:
-    """Reopen ``fd`` with O_DIRECT; None where the file system refuses it (tmpfs) and not forced."""
-    flags = (os.O_WRONLY if writing else os.O_RDONLY) | getattr(os, "O_DIRECT", 0) | os.O_CLOEXEC
-    if not getattr(os, "O_DIRECT", 0):
+def reopen(fd: int, flags: int) -> int:
+    """A new open file description of ``fd``'s file with ``flags`` (Linux /proc/self/fd)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+def open_direct(fd: int, path: str, force: bool) -> int | None:
+    """Reopen ``fd`` with O_DIRECT and the same access mode (a read-only fd stays read-only);
+    None where the file system refuses O_DIRECT (tmpfs) and not forced."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
         if force:
             raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform", path)
         return None
     try:
-        return os.open(f"/proc/self/fd/{fd}", flags)
+        return reopen(fd, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE | direct)
     except OSError as e:
         if force:
             raise os_error(e, "opening with O_DIRECT (direct_io=True)", path) from e
@@ -77,8 +84,9 @@ def open_direct(fd: int, path: str, writing: bool, force: bool) -> int | None:
 
 @contextlib.contextmanager
 def endpoint(file: FileLike, offset: int | None, writing: bool) -> Iterator[Endpoint]:
-    """Open ``file`` for one transfer, starting at ``offset`` or at the file's position.
-    Descriptors opened here are closed on exit; ``advance_position`` moves the position after."""
+    """Open ``file`` for one transfer starting at ``offset`` (None: the file's current position,
+    or 0 for a path); descriptors opened here are closed on exit. Moving the file's position
+    after a successful transfer is ``advance_position``'s job."""
     if offset is not None and (not isinstance(offset, int) or offset < 0):
         raise ValueError(f"offset must be a non-negative int or None, got {offset!r}")
     if isinstance(file, (str, os.PathLike)):
@@ -91,18 +99,27 @@ def endpoint(file: FileLike, offset: int | None, writing: bool) -> Iterator[Endp
         ep = Endpoint(fd, path, offset or 0, owned=True)
     elif isinstance(file, int) and not isinstance(file, bool):
         ep = Endpoint(file, describe_fd(file), offset if offset is not None else os.lseek(file, 0, os.SEEK_CUR))
-    elif hasattr(file, "fileno"):
-        if writing and not getattr(file, "closed", False):
-            file.flush()  # the object's own buffered writes must land before ours
+    elif not isinstance(file, int) and hasattr(file, "fileno"):
+        if not getattr(file, "closed", False):
+            file.flush()  # the object's own buffered writes must land before we touch the file
         fd = file.fileno()
         name = getattr(file, "name", None)
         ep = Endpoint(fd, name if isinstance(name, str) else describe_fd(fd), offset if offset is not None else file.tell())
     else:
         raise TypeError(f"file must be a path, an int file descriptor or a binary file object, got {type(file).__name__}")
+    twin, flags = None, fcntl.fcntl(ep.fd, fcntl.F_GETFL)
+    if writing and not ep.owned and flags & os.O_APPEND:
+        # Linux pwrite ignores the offset on an O_APPEND descriptor and appends: write through a
+        # twin without O_APPEND; "the current position" of an appending file is its end
+        if offset is None:
+            ep.start = os.fstat(ep.fd).st_size
+        twin = ep.fd = reopen(ep.fd, flags & os.O_ACCMODE)
     try:
         yield ep
     finally:
         ep.close()
+        if twin is not None:
+            os.close(twin)
 
 
 def advance_position(file: FileLike, offset: int | None, new_position: int) -> None:

@@ -21,16 +21,19 @@ from ._errors import CorruptCheckpointError
 from ._fileio import ALIGN, pread_into, round_up
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself applies
+INT64_MAX = 2**63 - 1  # torch's sizes, strides and element counts are int64
 
+# safetensors' dtypes in the order its writer lays tensors out (widest first; then by name)
 _NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "U64": "uint64", "I64": "int64", "F64": "float64", "C64": "complex64",
+    "F32": "float32", "U32": "uint32", "I32": "int32",
+    "BF16": "bfloat16", "F16": "float16", "U16": "uint16", "I16": "int16",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
 DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +83,12 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
+    table = dict(pairs)
+    if len(table) != len(pairs):  # linear: a hostile header may hold a million keys
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise ValueError(f"duplicate key {dup!r}")
-    return dict(pairs)
+    return table
 
 
 def _reject_constant(name: str) -> Any:
@@ -96,12 +100,23 @@ def parse_json(text: str | bytes) -> Any:
     return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
 
 
+def element_count(shape: list[int] | tuple[int, ...]) -> int | None:
+    """The number of elements of a tensor of ``shape``, or None where torch cannot hold it (its
+    sizes, strides or element count past int64). Stops early, so a hostile shape costs little."""
+    product = 1
+    for d in shape:
+        product *= max(d, 1)  # what torch's contiguous strides multiply
+        if product > INT64_MAX:
+            return None
+    return 0 if 0 in shape else product
+
+
 def _entry(path: str, name: str, raw: Any) -> TensorInfo:
     where = f"tensor {name!r}"
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
         raise _corrupt(path, f"{where}: expected an object with dtype, shape and data_offsets, got {raw!r:.200}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, f"{where}: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _corrupt(path, f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
@@ -109,7 +124,10 @@ def _entry(path: str, name: str, raw: Any) -> TensorInfo:
             and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
         raise _corrupt(path, f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
     info = TensorInfo(name, DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
-    expected = math.prod(info.shape) * info.dtype.itemsize
+    count = element_count(shape)
+    if count is None:
+        raise _corrupt(path, f"{where}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements or strides)")
+    expected = count * info.dtype.itemsize
     if expected != info.nbytes:
         raise _corrupt(path, f"{where}: shape {list(info.shape)} of {dtype} needs {expected} bytes, "
                              f"but its data_offsets span {info.nbytes}")  # fmt: skip

@@ -24,21 +24,16 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.device, a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.device, b.data_ptr(), b.dtype, b.shape, b.stride())
 
 
-def _file_signature(ck: Checkpoint, leaf: Path) -> tuple[torch.dtype, tuple[int, ...]]:
-    if leaf in ck.views:
-        return ck.views[leaf].dtype, ck.views[leaf].shape
-    info = next(t for t in ck.header.tensors if t.name == ck.leaves[leaf]["tensor"])
-    return info.dtype, info.shape
-
-
 def _match(ck: Checkpoint, targets: dict[Path, torch.Tensor], strict: bool) -> None:
     """Raise one StateMismatchError listing every problem; warn about skipped keys if not strict."""
     missing = [path_str(p) for p in targets if p not in ck.leaves]
     unexpected = [path_str(p) for p in ck.leaves if p not in targets]
+    infos = {t.name: t for t in ck.header.tensors}
     wrong = []
     for leaf, t in targets.items():
         if leaf in ck.leaves:
-            dtype, shape = _file_signature(ck, leaf)
+            file = ck.views.get(leaf) or infos[ck.leaves[leaf]["tensor"]]
+            dtype, shape = file.dtype, file.shape
             if (t.dtype, tuple(t.shape)) != (dtype, shape):
                 wrong.append(f"{path_str(leaf)}: the file has {dtype} {list(shape)}, the state {t.dtype} {list(t.shape)}")
     problems = [f"shape/dtype mismatch: {w}" for w in wrong]
@@ -51,7 +46,7 @@ def _match(ck: Checkpoint, targets: dict[Path, torch.Tensor], strict: bool) -> N
     if missing or unexpected:
         warnings.warn(
             StateMismatchWarning(f"load_into({ck.path!r}, strict=False) skipped {len(missing)} missing key(s) "
-                                 f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",  # fmt: skip
+                                 f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",
                                  missing, unexpected),
             stacklevel=3,
         )

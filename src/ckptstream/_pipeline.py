@@ -94,14 +94,11 @@ class _Run:
         tensors = [s.tensor for s in spans if s.tensor is not None]
         self.streams = Streams(tensors, stream)
         align = _fileio.ALIGN
-        direct = cfg.direct_io if cfg.direct_io is not None else writing  # reads keep the page cache
-        if direct and cfg.buffer_size % align:
-            if cfg.direct_io:
-                raise ValueError(f"direct_io=True needs buffer_size to be a multiple of {align}, got {cfg.buffer_size}")
-            direct = False
+        # auto: O_DIRECT for writes with aligned buffers; reads keep the page cache
+        direct = cfg.direct_io if cfg.direct_io is not None else writing and cfg.buffer_size % align == 0
         if direct and ep.direct_fd is None:
-            ep.direct_fd = _fileio.open_direct(ep.fd, ep.path, writing, force=bool(cfg.direct_io))
-        self.direct_fd = ep.direct_fd
+            ep.direct_fd = _fileio.open_direct(ep.fd, ep.path, force=bool(cfg.direct_io))
+        self.direct_fd = ep.direct_fd if direct else None  # an endpoint may serve several runs
         self.chunks = plan_chunks(spans, cfg.buffer_size, align if self.direct_fd is not None else 1)
         self.crcs: list[list[tuple[int, int, int]]] = [[] for _ in self.chunks]  # (span, crc, len)
         self.carries: dict[int, torch.Tensor] = {}
@@ -222,13 +219,12 @@ def _read_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
         lo = _fileio.round_down(chunk.start, _fileio.ALIGN)
         hi = _fileio.round_up(chunk.stop, _fileio.ALIGN)
         got = _fileio.pread_into(run.direct_fd, buf.view[lo - chunk.grid : hi - chunk.grid], lo, ep.path)
-        need = chunk.stop - lo
     else:
         lo = chunk.start
         got = _fileio.pread_into(ep.fd, buf.view[lo - chunk.grid : chunk.stop - chunk.grid], lo, ep.path)
-        need = chunk.stop - lo
-    if got < need:
-        raise TruncatedFileError(ep.path, lo, need, got)
+    if lo + got < chunk.stop:  # the file ends at lo + got: report it for the whole read
+        begin, end = run.chunks[0].start, run.chunks[-1].stop
+        raise TruncatedFileError(ep.path, begin, end - begin, max(0, lo + got - begin))
 
 
 def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
@@ -253,7 +249,7 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     upcoming = iter(run.chunks)
     ok = False
     try:
-        for buf, chunk in zip(buffers, upcoming):
+        for buf, chunk in zip(buffers, upcoming, strict=False):
             pending.append((chunk, buf, pool.submit(read_chunk, chunk, buf)))
         with torch.no_grad():
             while pending:

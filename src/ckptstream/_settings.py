@@ -9,6 +9,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ._fileio import ALIGN
+
 MiB = 1 << 20
 
 
@@ -40,8 +42,9 @@ class Settings:
         buffer_size: bytes per staging buffer (pinned on a GPU machine).
         num_buffers: staging buffers in flight; host memory is about num_buffers x buffer_size.
         io_threads: threads doing file I/O (and checksums) per transfer.
-        direct_io: True forces O_DIRECT (error where the file system refuses it), False forces
-            buffered I/O, None uses O_DIRECT where the file system and alignment allow.
+        direct_io: True forces O_DIRECT (error where the file system refuses it; buffer_size must
+            be a multiple of 4096), False forces buffered I/O, None uses O_DIRECT for writes where
+            the file system and alignment allow (reads keep the page cache).
     """
 
     # Defaults chosen from the sweep in docs/benchmarks.md (H200 machine, ext4).
@@ -57,6 +60,10 @@ class Settings:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.direct_io not in (None, True, False):
             raise ValueError(f"direct_io must be True, False or None, got {self.direct_io!r}")
+        if self.direct_io and self.buffer_size % ALIGN:
+            # checked here, before a transfer opens (and maybe truncates) its file
+            raise ValueError(f"direct_io=True needs buffer_size to be a multiple of {ALIGN}, "
+                             f"got {self.buffer_size}")
 
 
 def _from_environment() -> Settings:
@@ -70,7 +77,7 @@ def _from_environment() -> Settings:
 
 
 _current: contextvars.ContextVar[Settings] = contextvars.ContextVar(
-    "ckptstream_settings", default=_from_environment()
+    "ckptstream_settings", default=_from_environment()  # noqa: B039 (Settings is frozen)
 )
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import ContextManager
 
 import torch
 
 
+def check_stream(stream: object) -> None:
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+
+
 class Streams:
     def __init__(self, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
-        if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+        check_stream(stream)
         devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
         self.cuda = bool(devices)
         self._caller: dict[torch.device, torch.cuda.Stream] = {}
@@ -27,7 +30,7 @@ class Streams:
             side.wait_stream(caller)  # the copies see every kernel queued before the call
             self._caller[device], self._side[device] = caller, side
 
-    def side(self, t: torch.Tensor) -> ContextManager[object]:
+    def side(self, t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
         """Make ``t``'s side stream current (device copies of ``t`` go there)."""
         if not t.is_cuda:
             return contextlib.nullcontext()

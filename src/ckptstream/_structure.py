@@ -16,16 +16,16 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from ._errors import CorruptCheckpointError, UnsupportedTypeError
-from ._format import DTYPE_NAMES, DTYPES
+from ._format import DTYPE_NAMES, DTYPES, element_count
 
-Key = Union[str, int]
+Key = str | int
 Path = tuple[Key, ...]
-_CONTAINERS = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
+_CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
 
 
 def path_str(path: Path) -> str:
@@ -87,8 +87,9 @@ class Flat:
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range of ``t`` within its storage."""
     esz = t.element_size()
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return t.storage_offset() * esz, (t.storage_offset() + last + 1) * esz
+    start = int(t.storage_offset())
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return start * esz, (start + last + 1) * esz
 
 
 def _signature(t: torch.Tensor) -> tuple[Any, ...]:
@@ -97,8 +98,16 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...]:
 
 def flatten(state: Any) -> Flat:
     """Split ``state`` into the tensor table and the JSON tree (raises before any I/O)."""
-    leaves = list(walk(state))
-    names: dict[str, int] = {}
+    leaves, resolved = [], {}
+    for path, value in walk(state):
+        if isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg()):
+            # a lazy conjugate/negative view (z.conj(), z.conj().imag): its storage does not hold
+            # its values, so store a resolved copy, and not as a view of the shared storage
+            if id(value) not in resolved:
+                resolved[id(value)] = value.resolve_conj().resolve_neg()
+            value = resolved[id(value)]
+        leaves.append((path, value))
+    names: dict[str, int] = {"__metadata__": 0}  # the header's own key is not a tensor name
     records: list[Record] = []
     by_storage: dict[tuple[torch.device, int], list[tuple[Path, torch.Tensor]]] = {}
     for path, value in leaves:
@@ -193,7 +202,10 @@ def unflatten(tree: Any, resolve: Resolve, where: str, path: Path = ()) -> Any:
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
                     raise CorruptCheckpointError(f"{where}: bad dict entry at {path_str(path)}")
                 pairs.append((item[0], unflatten(item[1], resolve, where, (*path, item[0]))))
-            return dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
+            mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
+            if len(mapping) != len(pairs):
+                raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {path_str(path)}")
+            return mapping
         if tag in ("list", "tuple") and isinstance(body, list):
             items = [unflatten(v, resolve, where, (*path, i)) for i, v in enumerate(body)]
             return items if tag == "list" else tuple(items)
@@ -233,13 +245,16 @@ def parse_view(node: dict[str, Any], base_nbytes: dict[str, int], where: str) ->
     ok = isinstance(body, list) and len(body) == 5
     if ok:
         base, dtype, shape, stride, offset = body
-        ok = (base in base_nbytes and dtype in DTYPES and isinstance(shape, list) and isinstance(stride, list)
+        ok = (isinstance(base, str) and base in base_nbytes and isinstance(dtype, str) and dtype in DTYPES
+              and isinstance(shape, list) and isinstance(stride, list)
               and len(shape) == len(stride) and all(type(v) is int and v >= 0 for v in [*shape, *stride, offset]))  # fmt: skip
+    if ok:
+        ok = max([*stride, offset]) < 2**63 and element_count(shape) is not None  # what torch can hold
     if not ok:
         raise CorruptCheckpointError(f"{where}: malformed view {body!r:.200}")
     view = View(base, DTYPES[dtype], tuple(shape), tuple(stride), offset)
     esz = view.dtype.itemsize
-    extent = (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * esz if all(shape) else 0
+    extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * esz if all(shape) else 0
     if offset % esz or offset + extent > base_nbytes[base]:
         raise CorruptCheckpointError(f"{where}: view of {base!r} at byte {offset} ({extent} bytes) does not fit "
                                      f"its {base_nbytes[base]} bytes")  # fmt: skip

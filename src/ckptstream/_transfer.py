@@ -8,15 +8,25 @@ from . import _fileio
 from ._errors import UnsupportedTypeError
 from ._pipeline import Span, read_spans, write_spans
 from ._settings import resolve
+from ._streams import check_stream
 
 
-def _check_tensor(t: object, name: str) -> torch.Tensor:
+def _check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
         raise UnsupportedTypeError(
             f"{name} is a {t.layout} tensor on {t.device}{' (quantized)' if t.is_quantized else ''}; "
             "only dense (strided) CPU and CUDA tensors can be streamed"
+        )
+    if t.is_conj() or t.is_neg():
+        # a lazy conjugate/negative view: its memory holds other values than it shows
+        raise UnsupportedTypeError(f"{name} is a lazy conjugate or negative view; "
+                                   f"pass {name}.resolve_conj().resolve_neg() (a copy) instead")
+    if writable and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is an expanded view whose elements share "
+            "memory, so it cannot hold distinct values; read into a tensor that owns its elements"
         )
     return t
 
@@ -50,6 +60,7 @@ def device_to_file(src: torch.Tensor, file: _fileio.FileLike, *, offset: int | N
     """
     cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers)
     _check_tensor(src, "src")
+    check_stream(stream)  # every argument is checked before the file is opened (and truncated)
     with _fileio.endpoint(file, offset, writing=True) as ep:
         span = Span.of(src, ep.start)
         write_spans(ep, [span], cfg, stream=stream)
@@ -78,13 +89,16 @@ def file_to_device(file: _fileio.FileLike, dst: torch.Tensor, *, offset: int | N
     Raises:
         TruncatedFileError: the file holds fewer bytes than ``dst`` needs (checked before any
             byte of ``dst`` is written, where the file's size is known).
+        ValueError: ``dst`` is an expanded view (stride 0), or ``buffer_size`` or ``num_buffers``
+            below 1.
         OSError: from the OS, with the path in the message.
 
     Example:
         >>> ckptstream.file_to_device("weights.bin", torch.empty(n, device="cuda"))
     """
     cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers)
-    _check_tensor(dst, "dst")
+    _check_tensor(dst, "dst", writable=True)
+    check_stream(stream)
     with _fileio.endpoint(file, offset, writing=False) as ep:
         span = Span.of(dst, ep.start)
         _fileio.check_length(ep.fd, ep.path, ep.start, span.nbytes)

@@ -1,0 +1,155 @@
+"""The command line of ``ckptstream bench`` and the resolved options of one run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+
+from .._errors import CkptStreamError
+from .cache import Cold
+from .state import GiB, MiB, StateSpec
+from .systems import DEFAULT, SYSTEMS
+
+DEFAULT_SIZE_GIB = 0.25  # about 2 minutes on a 2-core machine without a GPU
+QUICK_SIZE_GIB = 1 / 128
+LARGE = 2 * GiB  # from here on one run per figure by default: an 8 GiB run must fit in 5 minutes
+SWEEP_SIZE_GIB = 1.0
+
+
+class BenchError(CkptStreamError, RuntimeError):
+    """The benchmark cannot run as asked (disk space, memory, devices); the message says why."""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``ckptstream bench`` (see docs/benchmarks.md)."""
+    add = parser.add_argument
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the state lives (auto: cuda when present)")
+    add("--size-gib", type=float, help=f"GPT-like state per process (default {DEFAULT_SIZE_GIB}; --quick {QUICK_SIZE_GIB * 1024:g} MiB; --sweep {SWEEP_SIZE_GIB:g})")
+    add("--tensors", type=int, default=0, metavar="N", help="instead: N small fp32 tensors of --tensor-kib each")
+    add("--tensor-kib", type=int, default=1, metavar="K", help="size of each of the --tensors (default 1 KiB)")
+    add("--repeat", type=int, help="runs per figure; the median is reported (default 3, 1 for states over 2 GiB)")
+    add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
+    add("--systems", nargs="+", metavar="NAME", help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)})")
+    add("--json", metavar="FILE", help="write every figure and the machine's description as JSON")
+    add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: pip install 'ckptstream[bench]')")
+    add("--quick", action="store_true", help="tiny state, one run, one thread count: seconds, for CI")
+    add("--ranks", "--nproc-per-node", type=int, default=1, metavar="N",
+        help="N processes saving and loading at once, one GPU each (gloo on the CPU)")
+    add("--cold", choices=[c.value for c in Cold], default="auto",
+        help="how loads are made cold (auto: drop_caches as root, else fadvise; none: warm loads)")
+    add("--threads", type=_ints, help="thread counts of the raw disk ceilings (default 1,4,8; 1,4 below 8 cores)")
+    add("--hot-threads", type=_ints, help="thread counts of the page-cache read ceiling (default as --threads)")
+    add("--seed", type=int, default=0, help="seed of the random state")
+    sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
+    sweep.add_argument("--sweep", action="store_true", help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
+    sweep.add_argument("--sweep-buffer-mib", type=_ints, default=[4, 8, 16, 32, 64], help="buffer sizes in MiB (default 4,8,16,32,64)")
+    sweep.add_argument("--sweep-num-buffers", type=_ints, default=[2, 4, 8], help="buffer counts (default 2,4,8)")
+    sweep.add_argument("--sweep-io-threads", type=_ints, default=[1, 2, 4, 8], help="I/O threads, up to the buffer count (default 1,2,4,8)")
+    sweep.add_argument("--sweep-direct-io", choices=("auto", "on", "both"), default="auto",
+                       help="loads with buffered reads (auto, the default), O_DIRECT reads (on), or both")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    device: str
+    spec: StateSpec
+    repeat: int
+    dir: str
+    systems: tuple[str, ...]
+    json: str | None
+    plot: str | None
+    quick: bool
+    ranks: int
+    cold: Cold
+    threads: tuple[int, ...]
+    hot_threads: tuple[int, ...]
+    sweep: bool
+    sweep_grid: dict[str, list[int] | str]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.spec.nbytes() * self.ranks
+
+
+def default_threads() -> list[int]:
+    """1, 4 and 8 threads (the anchors' best were 1-4 for the disk, 8 for the page cache); on a
+    small machine more threads than cores only add noise and minutes."""
+    cores = os.cpu_count() or 1
+    return [1, 4, 8] if cores >= 8 else [1, 4]
+
+
+def _device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False)")
+    return requested
+
+
+def _systems(given: list[str] | None) -> tuple[str, ...]:
+    if not given:
+        return DEFAULT
+    names = [n.strip() for item in given for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise BenchError(f"unknown system(s) {unknown}; known: {sorted(SYSTEMS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def resolve(args: argparse.Namespace) -> Options:
+    """Options with every default filled in; raises BenchError for impossible requests."""
+    size_gib = args.size_gib
+    if size_gib is None:
+        size_gib = QUICK_SIZE_GIB if args.quick else SWEEP_SIZE_GIB if args.sweep else DEFAULT_SIZE_GIB
+    if size_gib <= 0:
+        raise BenchError(f"--size-gib must be > 0, got {size_gib}")
+    if args.tensors < 0 or args.tensor_kib < 1:
+        raise BenchError("--tensors must be >= 0 and --tensor-kib >= 1")
+    try:
+        spec = StateSpec(int(size_gib * GiB), args.tensors, args.tensor_kib, args.seed)
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+    if args.ranks < 1:
+        raise BenchError(f"--ranks must be >= 1, got {args.ranks}")
+    device = _device(args.device)
+    if device == "cuda" and args.ranks > 1:
+        import torch
+
+        if torch.cuda.device_count() < args.ranks:
+            raise BenchError(f"--ranks {args.ranks} needs one GPU per rank; {torch.cuda.device_count()} visible")
+    repeat = args.repeat or (1 if args.quick or spec.nbytes() * args.ranks > LARGE else 3)
+    if repeat < 1:
+        raise BenchError(f"--repeat must be >= 1, got {repeat}")
+    if not os.path.isdir(args.dir):
+        raise BenchError(f"--dir {args.dir!r} is not a directory")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
+        raise BenchError("--plot needs matplotlib, which is not installed: pip install 'ckptstream[bench]'")
+    threads = args.threads or ([1] if args.quick else default_threads())
+    hot = args.hot_threads or ([1] if args.quick else default_threads())
+    grid: dict[str, list[int] | str] = {
+        "buffer_mib": args.sweep_buffer_mib, "num_buffers": args.sweep_num_buffers,
+        "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
+    }
+    return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems), args.json, args.plot,
+                   args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, grid)
+
+
+def describe_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

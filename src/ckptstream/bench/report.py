@@ -1,0 +1,147 @@
+"""From the processes' raw timings to figures (medians over runs, aggregated over ranks), the
+printed table, the issue's targets and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+from . import cache
+from .options import Options
+from .systems import PEERS
+
+Fig = dict[str, Any]
+TARGET_RSS_SLACK = 64 << 20
+
+
+def phase_figure(per_rank: list[list[dict[str, Any]]], total_bytes: int) -> Fig:
+    """One phase over ranks and runs: in each run the slowest rank sets the time (all started at
+    a barrier), and the rate is every rank's bytes over it; then the median over runs."""
+    runs = min(len(r) for r in per_rank)
+    slowest = [max(r[i]["seconds"] for r in per_rank) for i in range(runs)]
+    rss = [[r[i]["rss"] for r in per_rank] for i in range(runs)]
+    resident = [r[i].get("resident") for r in per_rank for i in range(runs)]
+    known = [x for x in resident if x is not None]
+    return {
+        "gbps": statistics.median(total_bytes / s / 1e9 for s in slowest),
+        "gbps_runs": [total_bytes / s / 1e9 for s in slowest],
+        "seconds": statistics.median(slowest), "seconds_runs": slowest,
+        "rss_per_process": statistics.median(max(x) for x in rss),
+        "rss_total": statistics.median(sum(x) for x in rss),
+        "rss_method": per_rank[0][0]["rss_method"],
+        "staging": max(r[i]["staging"] for r in per_rank for i in range(runs)),
+        "resident_before": max(known) if known else None,
+    }
+
+
+def ceiling_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best thread count of each ceiling, its rate aggregated over ranks like the systems'."""
+    total = sum(r["bytes"] for r in results)
+    out: dict[str, Any] = {"bytes": total, "block": results[0]["block"], "direct": results[0].get("direct")}
+    for kind in ("write", "read", "hot"):
+        by_threads = {}
+        for t in results[0][kind]:
+            runs = min(len(r[kind][t]) for r in results)
+            if runs:
+                slowest = [max(r[kind][t][i] for r in results) for i in range(runs)]
+                by_threads[int(t)] = statistics.median(total / s / 1e9 for s in slowest)
+        if by_threads:
+            best = max(by_threads, key=lambda t: by_threads[t])
+            out[kind] = {"gbps": by_threads[best], "threads": best, "by_threads": by_threads}
+    known = [x for r in results for x in r["resident"] if x is not None]
+    out["resident_before_read"] = max(known) if known else None
+    if "copy" in results[0]:
+        out["copy"] = results[0]["copy"]
+        out["gpu"], out["gpus"] = results[0]["gpu"], results[0]["gpus"]
+    return out
+
+
+def _ratio(a: Fig | None, b: Any) -> float | None:
+    if a is None or not isinstance(b, dict) or not b.get("gbps"):
+        return None
+    return float(a["gbps"]) / float(b["gbps"])
+
+
+def system_rows(systems: dict[str, list[dict[str, Any]]], ceilings: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, results in systems.items():
+        total = sum(r["bytes"] for r in results)
+        save = phase_figure([r["runs"]["save"] for r in results], total)
+        for i, label in enumerate(results[0]["runs"]["loads"]):
+            loads = {t: phase_figure([r["runs"]["loads"][label][t] for r in results], total)
+                     for t in results[0]["runs"]["loads"][label]}
+            row = {"system": name, "label": label, "bytes": total, "tensors": results[0]["tensors"],
+                   "save": save if i == 0 else None, "cold": loads.get("cold"), "hot": loads.get("hot")}
+            row["save_vs_ceiling"] = _ratio(row["save"], ceilings.get("write"))
+            row["cold_vs_ceiling"] = _ratio(row["cold"], ceilings.get("read"))
+            row["hot_vs_ceiling"] = _ratio(row["hot"], ceilings.get("hot"))
+            rows.append(row)
+    return rows
+
+
+def primary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    for label in ("ckptstream", "engine"):
+        for row in rows:
+            if row["label"] == label:
+                return row
+    return None
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """ckptstream's rate over each peer's, per phase (None where a side has no figure)."""
+    ours = primary(rows)
+    if ours is None:
+        return {}
+    return {row["label"]: {p: _ratio(ours[p], row[p]) for p in ("save", "cold", "hot")}
+            for row in rows if row["system"] in PEERS}
+
+
+def targets(rows: list[dict[str, Any]], ranks: int, kind: str) -> list[dict[str, Any]]:
+    """The issue's targets for the GPU machine (set for the GPT-like state), checked against this
+    run's figures."""
+    ours = primary(rows)
+    if ours is None or ours["save"] is None or kind != "gpt":
+        return []
+    ups = speedups(rows)
+    save = ours["save"]
+    out: list[tuple[str, float | None, float]] = [
+        ("save / write ceiling", ours["save_vs_ceiling"], 0.9),
+        ("peak RSS growth of save - staging (MiB)", (save["rss_per_process"] - save["staging"]) / 2**20, -64),
+    ]
+    if ranks == 1:
+        out += [(f"save speedup over {p}", ups.get(p, {}).get("save"), need)
+                for p, need in (("torch", 3.0), ("safetensors", 3.5), ("dcp", 3.5))]
+        out += [("cold load / read ceiling", ours["cold_vs_ceiling"], 0.9)]
+        out += [(f"cold load speedup over {p}", ups.get(p, {}).get("cold"), 1.0) for p in ("torch", "safetensors", "dcp")]
+        out += [("hot load / hot read ceiling", ours["hot_vs_ceiling"], 0.6)]
+    # a negative bound is an upper bound (RSS must stay below it)
+    return [{"target": name, "value": value, "bound": abs(bound), "kind": "<=" if bound < 0 else ">=",
+             "ok": None if value is None else (value <= -bound if bound < 0 else value >= bound)}
+            for name, value, bound in out]
+
+
+def build(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any]) -> dict[str, Any]:
+    ceilings = ceiling_figures(raw["ceilings"]) if raw.get("ceilings") and not raw["failed"].get("ceilings") else {}
+    rows = system_rows(raw["systems"], ceilings)
+    residents = [row["cold"]["resident_before"] for row in rows if row["cold"]] + [ceilings.get("resident_before_read")]
+    worst = max((r for r in residents if r is not None), default=None)
+    method = cache.Cold(raw["cold_method"])
+    if ceilings.get("gpu"):
+        machine_info = dict(machine_info, gpu=ceilings["gpu"], gpus=ceilings["gpus"])
+    return {
+        "schema": 1, "mode": "ranks" if opts.ranks > 1 else "single", "device": opts.device,
+        "state": {"description": opts.spec.describe(), "kind": opts.spec.kind, "bytes_per_rank": opts.spec.nbytes(),
+                  "size_bytes": opts.spec.size_bytes, "tensors": opts.spec.tensors, "tensor_kib": opts.spec.tensor_kib,
+                  "seed": opts.spec.seed, "ranks": opts.ranks},
+        "repeat": opts.repeat,
+        "cold": {"method": method.value, "label": cache.label(method, worst), "worst_resident_fraction": worst},
+        "ceilings": ceilings, "rows": rows, "speedups": speedups(rows), "targets": targets(rows, opts.ranks, opts.spec.kind),
+        "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info, "raw": raw,
+    }
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, sort_keys=False)
+        f.write("\n")

@@ -1,0 +1,186 @@
+"""The parent process: checks, a temporary workspace, one child process (group) per system, and
+clean-up of files and children on success, error and Ctrl-C alike."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from . import cache, machine
+from .multirank import rank_envs
+from .options import BenchError, Options, describe_bytes
+from .systems import unavailable
+
+Results = list[dict[str, Any]]  # one result per rank
+MARGIN = 256 << 20
+
+
+def say(message: str) -> None:
+    print(f"ckptstream bench: {message}", file=sys.stderr, flush=True)
+
+
+def check_resources(opts: Options, nbytes: int) -> None:
+    """Fail before any work when the disk or host memory is clearly too small."""
+    need = 2 * nbytes + MARGIN  # one checkpoint at a time, plus the previous one while it is replaced
+    free = shutil.disk_usage(opts.dir).free
+    if free < need:
+        raise BenchError(
+            f"not enough free disk space in {opts.dir}: the benchmark writes up to {describe_bytes(need)} "
+            f"(about 2x the {describe_bytes(nbytes)} of state), but only {describe_bytes(free)} is free. "
+            "Free some space, point --dir at a larger file system, or lower --size-gib."
+        )
+    # on the CPU a process holds its state, the loaded copy and a peer's full host copy
+    factor = 3.0 if opts.device == "cpu" else 1.5
+    available = machine.available_memory()
+    if available is not None and available < factor * nbytes:
+        raise BenchError(
+            f"not enough host memory: the benchmark needs about {describe_bytes(factor * nbytes)} "
+            f"({factor:g}x the {describe_bytes(nbytes)} of state on {opts.device}), {describe_bytes(available)} is "
+            "available. Lower --size-gib."
+        )
+
+
+def plan_systems(opts: Options, notes: list[str]) -> list[str]:
+    """The systems that can run here; each one that cannot gets a note instead."""
+    names = []
+    for name in opts.systems:
+        reason = unavailable(name)
+        if reason is None:
+            names.append(name)
+            continue
+        notes.append(reason)
+        if name == "ckptstream" and "engine" not in opts.systems:
+            names.append("engine")
+    return names
+
+
+@contextlib.contextmanager
+def workspace(opts: Options) -> Iterator[str]:
+    """A temporary folder in --dir, removed whatever happens (SIGTERM included)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    path = tempfile.mkdtemp(prefix="ckptstream-bench-", dir=opts.dir)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        if previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 0.0) -> None:
+    """End the children: after ``grace`` seconds to finish by themselves (on Ctrl-C they got the
+    SIGINT too and are removing their files), SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 15
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def spawn(job: dict[str, Any], ranks: int, work: str) -> Results:
+    """Run one worker per rank on ``job``; a rank that fails stops the others (they would wait
+    at a barrier forever). Returns each rank's result (with "error" where it failed)."""
+    name = job.get("system") or job["kind"]
+    job = dict(job, result=os.path.join(work, f"{name}.result"))
+    job_path = os.path.join(work, f"{name}.job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    out = sys.stderr if hasattr(sys.stderr, "fileno") else None
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for env in rank_envs(ranks):
+            procs.append(subprocess.Popen([sys.executable, "-m", "ckptstream.bench.worker", job_path],
+                                          env=env, stdin=subprocess.DEVNULL, stdout=out))
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs, grace=10.0)
+        raise
+    finally:
+        _stop(procs)  # also on Ctrl-C: no orphan keeps writing into the workspace
+    results = []
+    for rank, p in enumerate(procs):
+        path = f"{job['result']}.rank{rank}.json"
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = {"rank": rank, "error": f"the process exited with status {p.returncode} and left no result"}
+        results.append(result)
+    return results
+
+
+def errors_of(results: Results) -> str | None:
+    errors = [f"rank {r.get('rank')}: {r['error']}" for r in results if "error" in r]
+    return "; ".join(errors) if errors else None
+
+
+def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str, Any]:
+    spec = opts.spec
+    return {
+        "kind": kind, "device": opts.device, "repeat": opts.repeat, "cold": cold.value,
+        "spec": {"size_bytes": spec.size_bytes, "tensors": spec.tensors, "tensor_kib": spec.tensor_kib, "seed": spec.seed},
+        "dir": os.path.join(work, kind), "threads": list(opts.threads),
+        "hot_threads": [] if opts.ranks > 1 else list(opts.hot_threads),
+        "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "grid": opts.sweep_grid,
+    }
+
+
+def run_all(opts: Options) -> dict[str, Any]:
+    """Ceilings, then each system, each in its own process(es). Returns the raw results."""
+    nbytes = opts.total_bytes
+    check_resources(opts, nbytes)
+    cold = cache.resolve(opts.cold, gentle=opts.quick)
+    notes: list[str] = []
+    names = plan_systems(opts, notes)
+    for note in notes:
+        say(note)
+    if machine.mount_of(opts.dir)["fs_type"] in ("tmpfs", "ramfs"):
+        notes.append(f"{opts.dir} is in memory ({machine.mount_of(opts.dir)['fs_type']}): the 'disk' figures measure RAM")
+    raw: dict[str, Any] = {"cold_method": cold.value, "notes": notes, "systems": {}, "failed": {}}
+    who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
+    say(f"{who}{opts.spec.describe()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
+    with workspace(opts) as work:
+        steps = [("ceilings", None)] + [("system", n) for n in names]
+        for i, (kind, name) in enumerate(steps, 1):
+            say(f"[{i}/{len(steps)}] {name or 'raw disk and copy ceilings'}")
+            job = base_job(opts, kind, work, cold)
+            if name is not None:
+                job.update(system=name, dir=os.path.join(work, name))
+            results = spawn(job, opts.ranks, work)
+            error = errors_of(results)
+            if error:
+                say(f"{name or kind} failed: {error}")
+                raw["failed"][name or kind] = error
+            skipped = next((r["skipped"] for r in results if "skipped" in r), None)
+            if skipped:
+                say(skipped)
+                notes.append(skipped)
+            elif kind == "ceilings":
+                raw["ceilings"] = results
+            elif not error:
+                raw["systems"][name] = results
+    return raw
+

@@ -1,0 +1,97 @@
+"""``ckptstream bench --sweep``: the staging settings behind the defaults.
+
+One large tensor through device_to_file / file_to_device for every buffer size x buffer count
+x I/O threads (threads up to the count: more would idle), write + cold read + hot read,
+next to the raw ceilings measured in the same process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+from functools import partial
+from typing import Any
+
+import torch
+
+import ckptstream
+
+from .._buffers import POOL
+from . import cache
+from .cache import Cold
+from .measure import timed
+from .multirank import Group
+from .state import MiB
+from .text import table
+from .worker import Job, run_ceilings, say, spec_of
+
+
+def grid(job: Job) -> list[dict[str, Any]]:
+    g = job["grid"]
+    choices: dict[str, list[bool | None]] = {"auto": [None], "on": [True], "both": [None, True]}
+    direct = choices[g["direct_io"]]
+    return [{"buffer_size": b * MiB, "num_buffers": n, "io_threads": t, "read_direct_io": d}
+            for b, n, t, d in itertools.product(g["buffer_mib"], g["num_buffers"], g["io_threads"], direct) if t <= n]
+
+
+def run_job(job: Job, group: Group) -> dict[str, Any]:
+    spec, cold = spec_of(job, group), Cold(job["cold"])
+    nbytes = spec.nbytes()  # one tensor (the parent makes the spec so)
+    limits = run_ceilings(dict(job, repeat=1), group)  # same bytes, same process, same minute
+    gen = torch.Generator(device=group.device)
+    gen.manual_seed(spec.seed)
+    src = torch.randn(nbytes // 4, generator=gen, device=group.device)
+    dst = torch.empty_like(src)
+    path = os.path.join(job["dir"], f"sweep.rank{group.rank}.bin")
+    configs = grid(job)
+    rows = []
+    try:
+        for i, cfg in enumerate(configs, 1):
+            calls = {"buffer_size": cfg["buffer_size"], "num_buffers": cfg["num_buffers"]}
+            runs: dict[str, list[float]] = {"write": [], "cold": [], "hot": []}
+            for _ in range(job["repeat"]):
+                with ckptstream.settings(io_threads=cfg["io_threads"]):
+                    runs["write"].append(timed(partial(ckptstream.device_to_file, src, path, **calls), group.device)[0])
+                    POOL.release_all()  # each configuration allocates (and is charged for) its own buffers
+                    read = partial(ckptstream.file_to_device, path, dst, **calls)
+                    with ckptstream.settings(direct_io=cfg["read_direct_io"]):
+                        cache.evict(cold, [path])
+                        runs["cold"].append(timed(read, group.device)[0])
+                        if not torch.equal(src, dst):
+                            raise AssertionError(f"sweep {cfg}: the data read back differs from what was written")
+                        runs["hot"].append(timed(read, group.device)[0])
+                    POOL.release_all()
+            row = dict(cfg, **{k: nbytes / statistics.median(v) / 1e9 for k, v in runs.items()})
+            rows.append(row)
+            say(group, f"sweep {i}/{len(configs)}: {describe(row)}: write {row['write']:.2f}, "
+                       f"cold read {row['cold']:.2f}, hot read {row['hot']:.2f} GB/s")
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return {"bytes": nbytes, "ceilings": limits, "rows": rows}
+
+
+def describe(cfg: dict[str, Any]) -> str:
+    direct = {None: "", True: ", O_DIRECT reads"}[cfg["read_direct_io"]]
+    return f"{cfg['num_buffers']} x {cfg['buffer_size'] // MiB} MiB, {cfg['io_threads']} I/O threads{direct}"
+
+
+def render(result: dict[str, Any], ceiling: dict[str, Any], device: str, cold: str) -> str:
+    w, r, h = (ceiling.get(k, {}).get("gbps") for k in ("write", "read", "hot"))
+
+    def rel(value: float, limit: float | None) -> str:
+        return f"{value / limit:.2f}" if limit else "-"
+
+    lines = [[f"{c['buffer_size'] // MiB}", str(c["num_buffers"]), str(c["io_threads"]),
+              "direct" if c["read_direct_io"] else "buffered",
+              f"{c['write']:.2f}", rel(c["write"], w), f"{c['cold']:.2f}", rel(c["cold"], r), f"{c['hot']:.2f}", rel(c["hot"], h)]
+             for c in result["rows"]]
+    head = [f"sweep: one {result['bytes'] / 2**30:.2f} GiB tensor on {device}; loads {cold}; ceilings: write "
+            f"{w or 0:.2f}, read {r or 0:.2f}, hot {h or 0:.2f} GB/s"]
+    grid_lines = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
+                    "hot GB/s", "/hot"], lines)
+    best = [f"best {k}: {describe(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
+    defaults = ckptstream.current_settings()
+    best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, {defaults.io_threads} I/O threads")
+    return "\n".join(head + grid_lines + [""] + best)

@@ -1,0 +1,173 @@
+"""The systems compared: how each saves a state and the ways each loads it back.
+
+A load variant either returns a new state (``in_place=False``: it gets the saved state only to
+know shapes) or fills a preallocated one (``in_place=True``: the benchmark allocates the target
+before the clock starts, as a training job that already holds its model would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ckptstream
+
+from .measure import quiet_warnings
+from .state import State, empty_like_state, flatten
+
+Save = Callable[[State, str, int], None]  # (state, path, world size)
+Load = Callable[[str, Any, str, int], Any]  # (path, saved state or target, device, world size) -> state
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    label: str
+    load: Load
+    in_place: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    name: str
+    module: str  # must import for the system to run
+    filename: str  # the checkpoint file in the system's directory ("" for a directory)
+    save: Save
+    variants: tuple[Variant, ...]
+
+    def path(self, directory: str, rank: int) -> str:
+        if not self.filename:
+            return os.path.join(directory, "checkpoint")
+        return os.path.join(directory, f"rank{rank}.{self.filename}")
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ckptstream: the checkpoint layer, defaults as a user gets them (checksums on, verify on)
+def _ck_save(state: State, path: str, world: int) -> None:
+    ckptstream.save(state, path)  # type: ignore[attr-defined]
+
+
+def _ck_load(path: str, like: Any, device: str, world: int) -> Any:
+    return ckptstream.load(path, device=device)  # type: ignore[attr-defined]
+
+
+def _ck_load_into(path: str, target: Any, device: str, world: int) -> Any:
+    return ckptstream.load_into(target, path)  # type: ignore[attr-defined]
+
+
+# engine: the bare transfer primitive, tensors back to back, no header and no checksums
+def _engine_save(state: State, path: str, world: int) -> None:
+    with open(path, "wb") as f:
+        for t in flatten(state).values():
+            ckptstream.device_to_file(t, f)
+        os.fsync(f.fileno())
+
+
+def _engine_load(path: str, like: Any, device: str, world: int) -> Any:
+    out = empty_like_state(like, device)
+    with open(path, "rb") as f:
+        for t in flatten(out).values():
+            ckptstream.file_to_device(f, t)
+    return out
+
+
+def _torch_save(state: State, path: str, world: int) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_load(path: str, like: Any, device: str, world: int) -> Any:
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def _torch_load_mmap(path: str, like: Any, device: str, world: int) -> Any:
+    return torch.load(path, map_location=device, weights_only=True, mmap=True)
+
+
+def _st_save(state: State, path: str, world: int) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors takes a flat {name: tensor} dict; the step goes into its string metadata
+    save_file(flatten(state), path, metadata={"step": str(state.get("step", 0))})
+    fsync_path(path)  # save_file does not fsync
+
+
+def _st_load(path: str, like: Any, device: str, world: int) -> Any:
+    from safetensors.torch import load_file
+
+    return load_file(path, device=device)
+
+
+def _dcp_wrap(state: Any, world: int) -> dict[str, Any]:
+    """With a process group DCP treats equal keys on different ranks as one replicated tensor and
+    writes it once; the ranks here hold different data, so each gets its own key prefix."""
+    if world > 1:
+        return {f"rank{torch.distributed.get_rank()}": state}
+    return state if isinstance(state, dict) else {"state": state}
+
+
+def _dcp_save(state: State, path: str, world: int) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    with quiet_warnings():
+        save(_dcp_wrap(state, world), storage_writer=FileSystemWriter(path), no_dist=world == 1)
+
+
+def _dcp_load(path: str, target: Any, device: str, world: int) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    wrapped = _dcp_wrap(target, world)
+    with quiet_warnings():
+        load(wrapped, storage_reader=FileSystemReader(path), no_dist=world == 1)
+    return next(iter(wrapped.values())) if world > 1 else wrapped
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("ckptstream", "ckptstream", "safetensors", _ck_save,
+               (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True))),
+        System("engine", "ckptstream", "bin", _engine_save, (Variant("engine", _engine_load),)),
+        System("torch", "torch", "pt", _torch_save,
+               (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),
+        System("safetensors", "safetensors.torch", "safetensors", _st_save, (Variant("safetensors", _st_load),)),
+        System("dcp", "torch.distributed.checkpoint", "", _dcp_save, (Variant("dcp", _dcp_load, in_place=True),)),
+    )
+}
+DEFAULT = ("ckptstream", "torch", "safetensors", "dcp")
+PEERS = ("torch", "safetensors", "dcp")
+
+
+def not_installed(name: str, error: BaseException | None = None) -> str:
+    detail = f" ({error})" if error else ""
+    return f"{name} skipped: {SYSTEMS[name].module} is not installed{detail}"
+
+
+def unavailable(name: str) -> str | None:
+    """Why system ``name`` cannot run here, or None when it seems it can. Only looks the module
+    up (importing DCP takes seconds); the worker imports it and reports a failing import."""
+    system = SYSTEMS[name]
+    try:
+        if importlib.util.find_spec(system.module) is None:
+            return not_installed(name)
+    except ImportError as e:
+        return not_installed(name, e)
+    if name == "ckptstream" and not hasattr(ckptstream, "save"):
+        return "ckptstream skipped: this build has no ckptstream.save/load (checkpoint layer); measured the engine instead"
+    return None

@@ -1,0 +1,85 @@
+"""Fork server for the crash test: imports ckptstream once, builds two versions of a large state,
+then for each request forks a fresh writer process that saves one version and exits.
+
+    argv: PATH SIZE_MIB
+    stdin:  "save VERSION DIRECT_IO BUFFER_SIZE NUM_BUFFERS"   (DIRECT_IO: auto | off)
+    stdout: "ready"                               once the states are built
+            "start PID"                           a writer was forked and is about to save
+            "done PID {json timings}"             the writer's save returned (if not killed)
+            "exit PID STATUS"                     the writer was reaped (STATUS as os.waitpid gives)
+
+The test SIGKILLs writers by pid between "start" and "exit". Forking keeps each trial cheap (no
+interpreter start-up); every writer is still a separate process killed for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)  # no OpenMP worker pool in this process: forking it stays safe
+
+from relutil import MiB, training_state  # noqa: E402
+
+import ckptstream  # noqa: E402
+from ckptstream import _checkpoint, _fileio  # noqa: E402
+
+
+def emit(line: str) -> None:
+    os.write(1, (line + "\n").encode())  # one write per line: writers and the server share stdout
+
+
+def install_probes(marks: dict[str, float]) -> None:
+    """Record when the data is written and when the rename starts (phase timing only)."""
+    write_spans, publish = getattr(_checkpoint, "write_spans", None), getattr(_fileio, "publish", None)
+    if write_spans is not None:
+        def timed_write_spans(*args: object, **kwargs: object) -> object:
+            result = write_spans(*args, **kwargs)
+            marks["data_written"] = time.monotonic()
+            return result
+
+        _checkpoint.write_spans = timed_write_spans  # type: ignore[assignment]
+    if publish is not None:
+        def timed_publish(*args: object, **kwargs: object) -> object:
+            marks["publish"] = time.monotonic()
+            return publish(*args, **kwargs)
+
+        _fileio.publish = timed_publish  # type: ignore[assignment]
+
+
+def writer(path: str, state: object, direct_io: bool | None, buffer_size: int, num_buffers: int) -> None:
+    marks: dict[str, float] = {}
+    install_probes(marks)
+    emit(f"start {os.getpid()}")
+    t0 = time.monotonic()
+    ckptstream.save(state, path, buffer_size=buffer_size, num_buffers=num_buffers, direct_io=direct_io)
+    t1 = time.monotonic()
+    emit(f"done {os.getpid()} " + json.dumps({"total": t1 - t0, **{k: v - t0 for k, v in marks.items()}}))
+
+
+def main() -> None:
+    path, size_mib = sys.argv[1], int(sys.argv[2])
+    states = {v: training_state(v, size_mib * MiB) for v in (0, 1)}
+    emit("ready")
+    for line in sys.stdin:
+        cmd, version, direct, buffer_size, num_buffers = line.split()
+        assert cmd == "save"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                writer(path, states[int(version)], None if direct == "auto" else False, int(buffer_size),
+                       int(num_buffers))
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        emit(f"exit {pid} {status}")
+
+
+if __name__ == "__main__":
+    main()

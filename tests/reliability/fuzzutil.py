@@ -1,0 +1,98 @@
+"""The property every header fuzzer checks, shared by the hypothesis tests and the atheris
+harness: opening, parsing and loading any byte string raises nothing but CkptStreamError
+subclasses, allocates nothing sized by what the header announces, and returns quickly."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+import tracemalloc
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import ckptstream
+from ckptstream import CkptStreamError, StateMismatchWarning
+from ckptstream._format import read_header
+
+SECONDS = 1.0
+# Python objects built from a parsed header take a bounded multiple of its bytes (a 3-byte "[]," is
+# a 56-byte list), plus a constant for the machinery; nothing may be sized by a number it announces.
+PY_FACTOR, PY_CONSTANT = 64, 1 << 20
+
+
+def frame(body: bytes, data: bytes = b"", declared: int | None = None, pad: bool = True) -> bytes:
+    """A file: the 8-byte length, the header (space-padded to 4096 like ours, if ``pad``), the data."""
+    if pad:
+        body += b" " * (-(8 + len(body)) % 4096)
+    return struct.pack("<Q", len(body) if declared is None else declared) + body + data
+
+
+def encode_header(table: Any) -> bytes:
+    return json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def _read_header(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _load_into(path: str) -> None:
+    ckptstream.load_into({}, path, strict=False)
+
+
+ENTRY_POINTS: list[Callable[[str], Any]] = [
+    _read_header, ckptstream.read_metadata, ckptstream.verify, ckptstream.load, _load_into,
+]  # fmt: skip
+
+
+@contextmanager
+def torch_allocations() -> Iterator[list[int]]:
+    """Bytes of every tensor torch.empty creates meanwhile (the only way the readers allocate)."""
+    counted = [0]
+    original = torch.empty
+
+    def counting_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = original(*args, **kwargs)
+        counted[0] += t.numel() * t.element_size()
+        return t
+
+    torch.empty = counting_empty  # type: ignore[assignment]
+    try:
+        yield counted
+    finally:
+        torch.empty = original  # type: ignore[assignment]
+
+
+def check_file(path: str) -> None:
+    """Run every entry point on ``path`` and check the property; raise AssertionError if not."""
+    size = os.stat(path).st_size
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+    for call in ENTRY_POINTS:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        t0 = time.monotonic()
+        name = getattr(call, "__name__", repr(call))
+        with torch_allocations() as tensor_bytes, warnings.catch_warnings():
+            warnings.simplefilter("ignore", StateMismatchWarning)  # load_into(strict=False) skipping keys
+            try:
+                call(path)
+            except CkptStreamError:
+                pass
+            except BaseException as e:
+                raise AssertionError(f"{name} raised {type(e).__name__}: {e}") from e
+        elapsed = time.monotonic() - t0
+        _, peak = tracemalloc.get_traced_memory()
+        assert elapsed < SECONDS, f"{name} took {elapsed:.2f} s on a {size}-byte file"
+        assert tensor_bytes[0] <= size, f"{name} allocated {tensor_bytes[0]} tensor bytes for a {size}-byte file"
+        grew = peak - before
+        assert grew <= PY_FACTOR * size + PY_CONSTANT, f"{name} allocated {grew} bytes for a {size}-byte file"

@@ -1,0 +1,194 @@
+"""A writer killed at any moment of a save never costs the checkpoint already on disk.
+
+Writers are real processes, SIGKILLed at random moments spread over the whole save (data
+streaming, the final fsync, the header rewrite and the rename); after each kill the path must
+hold one complete checkpoint, old or new, that loads and verifies. Temp files of killed writers
+are recognisable by name, and the next save removes them (never one of a live writer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from relutil import (
+    MiB,
+    assert_same_state,
+    child_command,
+    small_state,
+    temp_files,
+    temp_name_pattern,
+    training_state,
+)
+
+import ckptstream
+
+SIZE_MIB = 128  # big enough that one save takes long enough to be killed at many distinct moments
+TRIALS_PER_MODE = 16  # stratified over the save's duration, in each I/O mode
+COMMIT_TRIALS = 4  # aimed at the window between "all data written" and "renamed"
+BUFFER_SIZE, NUM_BUFFERS = 1 * MiB, 2  # many chunks, so the save has many distinct moments
+
+
+class SaveServer:
+    """Drives child_save_server.py: one writer process per request, killed on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.proc = subprocess.Popen(child_command("child_save_server.py", path, SIZE_MIB), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.pump = threading.Thread(target=self._pump, name="save-server-reader", daemon=True)
+        self.pump.start()
+        assert self.next_line(timeout=120) == "ready"
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put("<eof>")
+
+    def next_line(self, timeout: float = 60) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"the save server said nothing for {timeout} s")
+        assert line != "<eof>", f"the save server died (exit status {self.proc.poll()})"
+        return line
+
+    def save(self, version: int, direct: str, kill_after: float | None) -> dict[str, Any]:
+        """One writer saving ``version``; SIGKILLed ``kill_after`` seconds into its save."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"save {version} {direct} {BUFFER_SIZE} {NUM_BUFFERS}\n")
+        self.proc.stdin.flush()
+        tag, pid_text = self.next_line().split()
+        assert tag == "start"
+        pid = int(pid_text)
+        if kill_after is not None:
+            time.sleep(kill_after)
+            with contextlib.suppress(ProcessLookupError):  # it finished and was reaped already
+                os.kill(pid, signal.SIGKILL)
+        result: dict[str, Any] = {"pid": pid}
+        while True:
+            words = self.next_line().split(maxsplit=2)
+            if words[0] == "done":
+                result["timings"] = json.loads(words[2])
+            elif words[0] == "exit":
+                status = int(words[2])
+                result["killed"] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+                assert result["killed"] or os.WEXITSTATUS(status) == 0, f"writer failed (status {status}); see stderr"
+                return result
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.pump.join(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def schedule(rng: random.Random, timings: dict[str, dict[str, float]]) -> list[tuple[str, float]]:
+    """(mode, kill delay): stratified over 0..1.2x each mode's save time, plus some aimed at the
+    commit window (data written -> fsync -> header rewrite -> rename) of the buffered mode, where
+    the final fsync makes that window long."""
+    plan = []
+    for mode, t in timings.items():
+        span = 1.2 * t["total"]
+        plan += [(mode, span * (k + rng.random()) / TRIALS_PER_MODE) for k in range(TRIALS_PER_MODE)]
+    t = timings["off"]
+    lo = t.get("data_written", 0.8 * t["total"])
+    plan += [("off", lo + (t["total"] - lo) * (k + rng.random()) / COMMIT_TRIALS) for k in range(COMMIT_TRIALS)]
+    rng.shuffle(plan)
+    return plan
+
+
+def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    versions = {v: training_state(v, SIZE_MIB * MiB) for v in (0, 1)}
+    pattern = temp_name_pattern(path.name)
+    server = SaveServer(path)
+    try:
+        # un-killed saves first: the initial checkpoint, and each mode's save duration
+        timings = {"auto": server.save(0, "auto", None)["timings"], "off": server.save(1, "off", None)["timings"]}
+        current, writers, outcomes = 1, set(), []
+        for mode, delay in schedule(random.Random(5), timings):
+            new = 1 - current
+            result = server.save(new, mode, delay)
+            writers.add(result["pid"])
+            # leftovers: recognisable by name, of dead writers only, and never piling up
+            temps = temp_files(tmp_path, path.name)
+            for name in temps:
+                match = pattern.fullmatch(name)
+                assert match and int(match.group(1)) in writers, f"unexpected file {name}"
+            assert len(temps) <= 1, f"temp files pile up: {temps}"
+            # the path holds one complete checkpoint: the previous one or the new one
+            ckptstream.verify(path)
+            state = ckptstream.load(path)
+            version = state["meta"]["version"]
+            assert version in (current, new)
+            assert result["killed"] or version == new, "a save that returned must have published"
+            assert_same_state(state, versions[version])
+            del state
+            outcomes.append((mode, round(delay, 3), result["killed"], "new" if version == new else "old", len(temps)))
+            current = version
+        killed = [o for o in outcomes if o[2]]
+        summary = f"timings {timings}; outcomes (mode, delay, killed, path holds, temps left) {outcomes}"
+        assert len(killed) >= 25, summary
+        assert {o[3] for o in killed} == {"old", "new"}, f"kills were not spread over the save: {summary}"
+        assert any(o[4] for o in killed), f"no kill landed while a temp file existed: {summary}"
+        # an ordinary save removes what the last killed writer left
+        assert not server.save(1 - current, "auto", None)["killed"]
+        assert temp_files(tmp_path, path.name) == []
+        ckptstream.verify(path)
+    finally:
+        server.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temp_cleanup_spares_live_writers_and_other_files(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    host = socket.gethostname()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        dead, live = _dead_pid(), sleeper.pid
+        names = {
+            "dead": f".{path.name}.ckptstream-tmp-{host}-{dead}-0123456789ab",
+            "live": f".{path.name}.ckptstream-tmp-{host}-{live}-0123456789ab",
+            "self": f".{path.name}.ckptstream-tmp-{host}-{os.getpid()}-0123456789ab",
+            "other_host": f".{path.name}.ckptstream-tmp-{host}x-{dead}-0123456789ab",
+            "other_file": f".other.safetensors.ckptstream-tmp-{host}-{dead}-0123456789ab",
+            "not_a_pid": f".{path.name}.ckptstream-tmp-{host}-abc-0123456789ab",
+            "user_file": f"{path.name}.bak",
+        }
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"partial")
+        state = small_state()
+        ckptstream.save(state, path)
+        left = set(os.listdir(tmp_path))
+        assert names["dead"] not in left, "the temp file of a dead writer on this host must go"
+        kept = {k for k, name in names.items() if name in left}
+        assert kept == set(names) - {"dead"}, "only the dead writer's temp of this path may be removed"
+        assert_same_state(ckptstream.load(path), state)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
