@@ -3,6 +3,7 @@ and unit tests of its parts: the state generator, the RSS helper, cache eviction
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from ckptstream import cli
-from ckptstream.bench import cache, machine, measure, options, report, runner, sweep
+from ckptstream.bench import cache, machine, measure, options, report, runner, sweep, systems, worker
 from ckptstream.bench.multirank import Group
 from ckptstream.bench.state import GiB, MiB, StateSpec, build_state, flatten, gpt_shapes, state_nbytes
 
@@ -208,3 +209,19 @@ def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
                               total_bytes=8 * 10**9)
     assert fig["seconds_runs"] == [2.0, 2.0, 4.0] and fig["gbps"] == pytest.approx(4.0)
     assert fig["rss_per_process"] == 30 and fig["rss_total"] == 40
+
+
+def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(path: str, like: Any, device: str, world: int) -> Any:
+        raise RuntimeError("simulated loader bug")
+
+    torch_system = systems.SYSTEMS["torch"]
+    variants = (torch_system.variants[0], systems.Variant("torch broken", broken))
+    monkeypatch.setitem(systems.SYSTEMS, "torch", dataclasses.replace(torch_system, variants=variants))
+    job = {"system": "torch", "device": "cpu", "repeat": 2, "cold": "fadvise", "dir": str(tmp_path / "torch"),
+           "spec": {"size_bytes": 0, "tensors": 8, "tensor_kib": 4, "seed": 0}, "hot": True, "all_variants": True}
+    result = worker.run_system(job, Group("cpu"))
+    assert result["load_errors"] == {"torch broken": "RuntimeError: simulated loader bug"}
+    assert list(result["runs"]["loads"]) == ["torch"]
+    assert len(result["runs"]["save"]) == 2 and len(result["runs"]["loads"]["torch"]["cold"]) == 2
+    assert list((tmp_path / "torch").iterdir()) == []

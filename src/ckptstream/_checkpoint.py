@@ -115,11 +115,10 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
             spans = [Span.of(r.tensor, len(header) + info.begin) for r, info in zip(records, infos, strict=True)]
             with progress_bar(progress, sum(s.nbytes for s in spans), f"save {os.path.basename(path)}") as bar:
                 crcs = write_spans(ep, spans, cfg, checksum=checksum, progress=bar)
-            if checksum:
-                meta[CRC_KEY] = "".join(f"{c:08x}" for c in crcs)
-                meta[HEADER_CRC_KEY] = f"{_checksum.crc_of(encode(infos, meta)):08x}"  # of the zeros placeholder
-                final = encode(infos, meta)
-                assert len(final) == len(header), "checksum fields must keep the header length"
+            if checksum:  # fill the fixed-width fields in place: the header keeps its length
+                final = bytearray(header)
+                _fill(final, CRC_KEY, "".join(f"{c:08x}" for c in crcs))
+                _fill(final, HEADER_CRC_KEY, f"{_checksum.crc_of(final):08x}")  # of the bytes with its "0"s
                 _fileio.pwrite_all(fd, memoryview(final), 0, temp)
             _fileio.fsync(fd, temp)
         finally:
@@ -129,6 +128,20 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def _field(header: bytes | bytearray, key: str) -> int:
+    """Offset of the value of metadata field ``key`` in an encoded header, or -1. (Keys inside
+    the structure string are escaped, so only the field itself matches.)"""
+    tag = f'"{key}":"'.encode()
+    at = header.find(tag)
+    return at + len(tag) if at >= 0 else -1
+
+
+def _fill(header: bytearray, key: str, value: str) -> None:
+    at = _field(header, key)
+    assert at >= 0 and header[at : at + len(value)] == b"0" * len(value), f"no placeholder for {key}"
+    header[at : at + len(value)] = value.encode()
 
 
 @dataclasses.dataclass
@@ -234,9 +247,8 @@ def _check_header(path: str, fd: int, header: Header) -> None:
         raise CorruptCheckpointError(f"{path}: the header has tensor checksums but no {HEADER_CRC_KEY}; it is corrupt")
     raw = bytearray(header.data_start)
     _fileio.pread_into(fd, memoryview(raw), 0, path)
-    key = f'"{HEADER_CRC_KEY}":"'.encode()
-    at = raw.find(key) + len(key)
-    if (len(stored) != 8 or any(c not in "0123456789abcdef" for c in stored) or at < len(key)
+    at = _field(raw, HEADER_CRC_KEY)
+    if (len(stored) != 8 or any(c not in "0123456789abcdef" for c in stored) or at < 0
             or raw[at : at + 8] != stored.encode()):  # fmt: skip
         raise CorruptCheckpointError(f"{path}: {HEADER_CRC_KEY} must be 8 lowercase hex digits, got {stored!r:.40}")
     raw[at : at + 8] = b"0" * 8

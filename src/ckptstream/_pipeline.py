@@ -14,9 +14,12 @@ import bisect
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +31,7 @@ from ._settings import Settings
 from ._streams import Streams
 
 Progress = Callable[[int], None]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -85,6 +89,51 @@ def plan_chunks(spans: Sequence[Span], buffer_size: int, align: int) -> list[Chu
     return chunks
 
 
+class _Tasks:
+    """The I/O tasks and worker threads of one transfer, run through a gate that ``close`` shuts.
+
+    A KeyboardInterrupt can land inside ``ThreadPoolExecutor.submit`` after it queued the task and
+    started a new worker, but before it recorded that worker, which ``shutdown`` then never joins:
+    such a worker could still fill a staging buffer already back in the pool, or write to a closed
+    (maybe reused) descriptor. So no task starts once the gate is shut, and ``close`` waits for
+    the running ones and joins every worker of the transfer, found by its unique name prefix.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.prefix = f"ckptstream-{kind}-{next(_TRANSFERS)}"
+        self._cv = threading.Condition()
+        self._open, self._running = True, 0
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T | None:
+        with self._cv:
+            if not self._open:
+                return None
+            self._running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._cv:
+                self._running -= 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Call after the executor's shutdown (its workers, idle, then exit)."""
+        with self._cv:
+            self._open = False
+            self._cv.wait_for(lambda: self._running == 0)
+        for t in threading.enumerate():  # also lists threads still starting
+            if t.name.startswith(self.prefix + "_"):
+                while True:
+                    try:
+                        t.join()
+                        break
+                    except RuntimeError:  # started, not running yet
+                        time.sleep(0.001)
+
+
+_TRANSFERS = itertools.count()
+
+
 class _Run:
     """State shared by the caller's thread and the I/O threads of one transfer."""
 
@@ -103,6 +152,7 @@ class _Run:
         self.crcs: list[list[tuple[int, int, int]]] = [[] for _ in self.chunks]  # (span, crc, len)
         self.carries: dict[int, torch.Tensor] = {}
         self._progress, self._progress_lock = progress, threading.Lock()
+        self.tasks = _Tasks("write" if writing else "read")
 
     def checksum_pieces(self, chunk: Chunk, buf: StagingBuffer) -> None:
         if self.checksum:
@@ -132,6 +182,30 @@ class _Run:
         return self.carries[span]
 
 
+def _copy_pieces(run: _Run, chunk: Chunk, buf: StagingBuffer, *, load: bool, ordered: bool = False) -> list[torch.cuda.Event]:
+    """Enqueue the device copies between ``buf`` and the chunk's tensors; events mark their end.
+
+    A load splits the pieces: those of contiguous tensors are copied by the I/O thread that read
+    the chunk, in any order; those of non-contiguous ones (``ordered``) by the caller's thread in
+    chunk order, because an element cut by a chunk edge waits in a carry for the next chunk.
+    """
+    devices = set()
+    with torch.no_grad():
+        for p in chunk.pieces:
+            t = run.spans[p.span].tensor
+            if t is None or (load and t.is_contiguous() == ordered):
+                continue
+            staged = buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo]
+            with run.streams.side(t):
+                if load:
+                    copy_in(staged, t, p.lo, p.hi, run.carry(p.span, t))
+                else:
+                    copy_out(t, p.lo, p.hi, staged)
+            if t.is_cuda:
+                devices.add(t.device)
+    return run.streams.record(devices)
+
+
 def _buffers_for(run: _Run) -> list[StagingBuffer]:
     count = min(run.cfg.num_buffers, len(run.chunks))
     return POOL.acquire(run.cfg.buffer_size, count, pinned=run.streams.cuda)
@@ -141,6 +215,7 @@ def _finish(run: _Run, buffers: list[StagingBuffer], pool: concurrent.futures.Th
             failed: bool) -> None:
     """Join the I/O threads and return the buffers once no device copy can touch them."""
     pool.shutdown(wait=True, cancel_futures=True)
+    run.tasks.close()
     try:
         run.streams.synchronize()
     except BaseException:
@@ -162,7 +237,7 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     for b in buffers:
         free.put(b)
     errors: list[BaseException] = []
-    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), "ckptstream-write")
+    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), run.tasks.prefix)
 
     def write_chunk(chunk: Chunk, buf: StagingBuffer, events: list[torch.cuda.Event]) -> None:
         try:
@@ -178,17 +253,12 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
 
     ok = False
     try:
-        with torch.no_grad():
-            for chunk in run.chunks:
-                buf = free.get()
-                if errors:
-                    raise errors[0]
-                for p in chunk.pieces:
-                    t = spans[p.span].tensor
-                    assert t is not None
-                    with run.streams.side(t):
-                        copy_out(t, p.lo, p.hi, buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo])
-                pool.submit(write_chunk, chunk, buf, run.streams.record())
+        for chunk in run.chunks:
+            buf = free.get()
+            if errors:
+                raise errors[0]
+            events = _copy_pieces(run, chunk, buf, load=False)
+            pool.submit(run.tasks.run, write_chunk, chunk, buf, events)
         pool.shutdown(wait=True)
         if errors:
             raise errors[0]
@@ -235,36 +305,32 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     if not run.chunks:
         return [0] * len(spans)
     buffers = _buffers_for(run)
-    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), "ckptstream-read")
+    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), run.tasks.prefix)
     # the host-to-device copies still reading each buffer, waited for before it is refilled
     in_use: dict[int, list[torch.cuda.Event]] = {id(b): [] for b in buffers}
 
-    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> None:
+    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> list[torch.cuda.Event]:
         for event in in_use[id(buf)]:
             event.synchronize()
         _read_chunk(run, chunk, buf)
         run.checksum_pieces(chunk, buf)
+        return _copy_pieces(run, chunk, buf, load=True)
 
-    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[None]]] = collections.deque()
+    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[list[torch.cuda.Event] | None]]]
+    pending = collections.deque()
     upcoming = iter(run.chunks)
     ok = False
     try:
         for buf, chunk in zip(buffers, upcoming, strict=False):
-            pending.append((chunk, buf, pool.submit(read_chunk, chunk, buf)))
-        with torch.no_grad():
-            while pending:
-                chunk, buf, future = pending.popleft()
-                future.result()
-                for p in chunk.pieces:
-                    t = spans[p.span].tensor
-                    if t is not None:
-                        with run.streams.side(t):
-                            copy_in(buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo], t, p.lo, p.hi, run.carry(p.span, t))
-                in_use[id(buf)] = run.streams.record()
-                run.progressed(chunk.stop - chunk.start)
-                nxt = next(upcoming, None)
-                if nxt is not None:
-                    pending.append((nxt, buf, pool.submit(read_chunk, nxt, buf)))
+            pending.append((chunk, buf, pool.submit(run.tasks.run, read_chunk, chunk, buf)))
+        while pending:
+            chunk, buf, future = pending.popleft()
+            copied = future.result() or []  # None only once the transfer is being torn down
+            in_use[id(buf)] = copied + _copy_pieces(run, chunk, buf, load=True, ordered=True)
+            run.progressed(chunk.stop - chunk.start)
+            nxt = next(upcoming, None)
+            if nxt is not None:
+                pending.append((nxt, buf, pool.submit(run.tasks.run, read_chunk, nxt, buf)))
         run.streams.hand_back()
         ok = True
     finally:

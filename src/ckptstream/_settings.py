@@ -48,9 +48,9 @@ class Settings:
     """
 
     # Defaults chosen from the sweep in docs/benchmarks.md (H200 machine, ext4).
-    buffer_size: int = 16 * MiB
-    num_buffers: int = 4
-    io_threads: int = 4
+    buffer_size: int = 8 * MiB
+    num_buffers: int = 8
+    io_threads: int = 8
     direct_io: bool | None = None
 
     def __post_init__(self) -> None:

@@ -21,7 +21,6 @@ class Streams:
         self.cuda = bool(devices)
         self._caller: dict[torch.device, torch.cuda.Stream] = {}
         self._side: dict[torch.device, torch.cuda.Stream] = {}
-        self._touched: set[torch.device] = set()
         for device in devices:
             use_given = stream is not None and stream.device == device
             caller = stream if use_given else torch.cuda.current_stream(device)
@@ -31,20 +30,18 @@ class Streams:
             self._caller[device], self._side[device] = caller, side
 
     def side(self, t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
-        """Make ``t``'s side stream current (device copies of ``t`` go there)."""
+        """Make ``t``'s side stream current in this thread (device copies of ``t`` go there)."""
         if not t.is_cuda:
             return contextlib.nullcontext()
-        self._touched.add(t.device)
         return torch.cuda.stream(self._side[t.device])
 
-    def record(self) -> list[torch.cuda.Event]:
-        """Events marking the copies enqueued since the last call."""
+    def record(self, devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
+        """Events marking the copies enqueued so far on the side streams of ``devices``."""
         events = []
-        for device in self._touched:
+        for device in devices:
             event = torch.cuda.Event()
             event.record(self._side[device])
             events.append(event)
-        self._touched.clear()
         return events
 
     def hand_back(self) -> None:

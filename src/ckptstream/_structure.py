@@ -128,7 +128,7 @@ def flatten(state: Any) -> Flat:
         return record
 
     for group in by_storage.values():
-        for component in _overlapping(group):
+        for component in _overlapping(group) if len(group) > 1 else []:
             _share(component, add_record, node_of)
     for path, value in leaves:
         if isinstance(value, torch.Tensor) and path not in node_of:

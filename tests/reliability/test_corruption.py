@@ -119,18 +119,23 @@ def test_data_bit_flips_name_the_tensor(original: tuple[Any, bytes, Header], tmp
                 assert _same_bytes(t, unverified[name]), name
 
 
-def assert_rejected(path: Path) -> None:
-    """Every entry point rejects the file with CorruptCheckpointError (nothing else, quickly)."""
+def assert_rejected(path: Path, state: Any) -> None:
+    """Every entry point rejects the file with CorruptCheckpointError (nothing else, quickly);
+    load_into before writing any byte of its targets."""
     for call in (ckptstream.load, ckptstream.verify, ckptstream.read_metadata):
         with pytest.raises(CorruptCheckpointError):
             _quick(call, path)
+    targets = poisoned(state)
+    with pytest.raises(CorruptCheckpointError):
+        _quick(ckptstream.load_into, targets, path)
+    assert all(_is_poison(t) for t in tensors_of(targets).values()), "a target was written"
 
 
 def test_header_bit_flips_are_detected(original: tuple[Any, bytes, Header], tmp_path: Path) -> None:
     """The header's own checksum covers what the tensors' checksums do not (the tensor table,
     the structure with its keys and non-tensor leaves, the metadata, the stored checksums), so
     every flipped bit is caught; none may load as a silently different state."""
-    _, data, header = original
+    state, data, header = original
     (n,) = struct.unpack("<Q", data[:8])
     body_end = 8 + len(data[8 : 8 + n].rstrip(b" "))
     rng = random.Random(2)
@@ -141,7 +146,7 @@ def test_header_bit_flips_are_detected(original: tuple[Any, bytes, Header], tmp_
     for pos in positions:
         flipped = bytearray(data)
         flipped[pos] ^= 1 << rng.randrange(8)
-        assert_rejected(_write(case, flipped))
+        assert_rejected(_write(case, flipped), state)
 
 
 def test_changed_checksums_are_detected(original: tuple[Any, bytes, Header], tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ import ckptstream
 SIZE_MIB = 128  # big enough that one save takes long enough to be killed at many distinct moments
 TRIALS_PER_MODE = 16  # stratified over the save's duration, in each I/O mode
 COMMIT_TRIALS = 4  # aimed at the window between "all data written" and "renamed"
+MIN_KILLS = 30  # trials are added until this many writers were killed mid-save
 BUFFER_SIZE, NUM_BUFFERS = 1 * MiB, 2  # many chunks, so the save has many distinct moments
 
 
@@ -120,12 +121,15 @@ def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -
     path = tmp_path / "ckpt.safetensors"
     versions = {v: training_state(v, SIZE_MIB * MiB) for v in (0, 1)}
     pattern = temp_name_pattern(path.name)
+    rng = random.Random(5)
     server = SaveServer(path)
     try:
         # un-killed saves first: the initial checkpoint, and each mode's save duration
         timings = {"auto": server.save(0, "auto", None)["timings"], "off": server.save(1, "off", None)["timings"]}
         current, writers, outcomes = 1, set(), []
-        for mode, delay in schedule(random.Random(5), timings):
+
+        def trial(mode: str, delay: float) -> None:
+            nonlocal current
             new = 1 - current
             result = server.save(new, mode, delay)
             writers.add(result["pid"])
@@ -142,12 +146,18 @@ def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -
             assert version in (current, new)
             assert result["killed"] or version == new, "a save that returned must have published"
             assert_same_state(state, versions[version])
-            del state
             outcomes.append((mode, round(delay, 3), result["killed"], "new" if version == new else "old", len(temps)))
             current = version
+
+        for mode, delay in schedule(rng, timings):
+            trial(mode, delay)
+        while sum(o[2] for o in outcomes) < MIN_KILLS and len(outcomes) < 2 * MIN_KILLS:  # saves ran faster
+            mode = rng.choice(list(timings))
+            trial(mode, rng.uniform(0, timings[mode]["total"]))
         killed = [o for o in outcomes if o[2]]
         summary = f"timings {timings}; outcomes (mode, delay, killed, path holds, temps left) {outcomes}"
-        assert len(killed) >= 25, summary
+        print(summary)
+        assert len(killed) >= MIN_KILLS, summary
         assert {o[3] for o in killed} == {"old", "new"}, f"kills were not spread over the save: {summary}"
         assert any(o[4] for o in killed), f"no kill landed while a temp file existed: {summary}"
         # an ordinary save removes what the last killed writer left

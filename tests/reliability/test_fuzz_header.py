@@ -171,16 +171,16 @@ def mutated(draw: st.DrawFn, seeds: list[bytes]) -> bytes:
     if draw(st.booleans()):  # JSON level: replace one value somewhere in the header
         (n,) = struct.unpack("<Q", raw[:8])
         table = json.loads(raw[8 : 8 + n])
-        node, key = table, None
+        node: Any = table
+        parent: Any = None
+        key: Any = None
         while isinstance(node, (dict, list)) and node and draw(st.integers(0, 3)):
-            key = draw(st.sampled_from(list(node) if isinstance(node, dict) else list(range(len(node)))))
-            if isinstance(node[key], str) and node[key][:1] in "{[" and draw(st.booleans()):
-                node[key] = json.loads(node[key])  # descend into the structure, re-encoded below
-            if not isinstance(node[key], (dict, list)):
-                break
-            node = node[key]
-        if key is not None:
-            node[key] = draw(json_values)
+            k = draw(st.sampled_from(list(node) if isinstance(node, dict) else list(range(len(node)))))
+            if isinstance(node[k], str) and node[k][:1] in "{[" and draw(st.booleans()):
+                node[k] = json.loads(node[k])  # descend into the structure, re-encoded below
+            parent, key, node = node, k, node[k]
+        if parent is not None:
+            parent[key] = draw(json_values)
         meta = table.get("__metadata__")
         if isinstance(meta, dict) and not isinstance(meta.get("ckptstream.structure", ""), str):
             meta["ckptstream.structure"] = json.dumps(meta["ckptstream.structure"])
@@ -227,4 +227,10 @@ def test_atheris_fuzzing(tmp_path: Path) -> None:
     dependency: it needs a matching wheel or a clang toolchain)."""
     if importlib.util.find_spec("atheris") is None:
         pytest.skip("atheris is not installed")
-    run_child("child_atheris.py", tmp_path / "case.safetensors", "-runs=3000", "-max_total_time=60", timeout=180)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    ckptstream.save(small_state(0), corpus / "ours", checksum=False)
+    ckptstream.save({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.int8)}, corpus / "flat", checksum=False)
+    (corpus / "bare").write_bytes(b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')  # framed by the harness
+    run_child("child_atheris.py", tmp_path / "case.safetensors", "-runs=3000", "-max_total_time=60", corpus,
+              timeout=180)

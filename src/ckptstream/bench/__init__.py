@@ -49,7 +49,7 @@ def _run_sweep(opts: Options) -> int:
     print(sweep.render(result, limits, opts.device, label), flush=True)
     full = {"schema": 1, "mode": "sweep", "device": opts.device, "cold": {"method": cold.value, "label": label},
             "ceilings": limits, "sweep": result, "machine": machine.describe(opts.dir)}
-    _outputs(opts, full, lambda path: _plot("plot_sweep", result, path))
+    _outputs(opts, full, lambda path: _plot("plot_sweep", full, path))
     return 0
 
 

@@ -29,8 +29,9 @@ def say(message: str) -> None:
 
 
 def check_resources(opts: Options, nbytes: int) -> None:
-    """Fail before any work when the disk or host memory is clearly too small."""
-    need = 2 * nbytes + MARGIN  # one checkpoint at a time, plus the previous one while it is replaced
+    """Fail before any work when the disk is too small; warn when host memory looks short."""
+    # one checkpoint exists at a time; twice that leaves the file system (and its other users) slack
+    need = 2 * nbytes + MARGIN
     free = shutil.disk_usage(opts.dir).free
     if free < need:
         raise BenchError(
@@ -42,11 +43,10 @@ def check_resources(opts: Options, nbytes: int) -> None:
     factor = 3.0 if opts.device == "cpu" else 1.5
     available = machine.available_memory()
     if available is not None and available < factor * nbytes:
-        raise BenchError(
-            f"not enough host memory: the benchmark needs about {describe_bytes(factor * nbytes)} "
-            f"({factor:g}x the {describe_bytes(nbytes)} of state on {opts.device}), {describe_bytes(available)} is "
-            "available. Lower --size-gib."
-        )
+        # only a warning: some virtual machines report memory that grows as it is used
+        say(f"warning: the run may need about {describe_bytes(factor * nbytes)} of host memory ({factor:g}x the "
+            f"{describe_bytes(nbytes)} of state on {opts.device}) and {describe_bytes(available)} is available now; "
+            "lower --size-gib if a process is killed")
 
 
 def plan_systems(opts: Options, notes: list[str]) -> list[str]:
@@ -88,7 +88,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 0.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 5  # a rank stuck in a collective ignores SIGTERM
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
@@ -111,8 +111,9 @@ def spawn(job: dict[str, Any], ranks: int, work: str) -> Results:
         for env in rank_envs(ranks):
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptstream.bench.worker", job_path],
                                           env=env, stdin=subprocess.DEVNULL, stdout=out))
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+        while True:
+            codes = [p.poll() for p in procs]  # every one: a failed rank must not go unnoticed
+            if None not in codes or any(c not in (None, 0) for c in codes):
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -148,6 +149,18 @@ def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str,
     }
 
 
+def _merge_ceilings(before: list[dict[str, Any]] | None, after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One set of ceiling samples per rank: the runs after the systems join those before."""
+    if before is None:
+        return after
+    for old, new in zip(before, after, strict=True):
+        for kind in ("write", "read", "hot"):
+            for threads, seconds in new[kind].items():
+                old[kind].setdefault(threads, []).extend(seconds)
+        old["resident"].extend(new["resident"])
+    return before
+
+
 def run_all(opts: Options) -> dict[str, Any]:
     """Ceilings, then each system, each in its own process(es). Returns the raw results."""
     nbytes = opts.total_bytes
@@ -163,7 +176,9 @@ def run_all(opts: Options) -> dict[str, Any]:
     who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
     say(f"{who}{opts.spec.describe()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
     with workspace(opts) as work:
-        steps = [("ceilings", None)] + [("system", n) for n in names]
+        # the disk drifts within minutes (the anchors: 2.39 then 2.11 GB/s): measure the ceilings
+        # before and after the systems, and compare each system with the median of both
+        steps = [("ceilings", None)] + [("system", n) for n in names] + ([] if opts.quick else [("ceilings", None)])
         for i, (kind, name) in enumerate(steps, 1):
             say(f"[{i}/{len(steps)}] {name or 'raw disk and copy ceilings'}")
             job = base_job(opts, kind, work, cold)
@@ -179,8 +194,10 @@ def run_all(opts: Options) -> dict[str, Any]:
                 say(skipped)
                 notes.append(skipped)
             elif kind == "ceilings":
-                raw["ceilings"] = results
+                raw["ceilings"] = _merge_ceilings(raw.get("ceilings"), results)
             elif not error:
                 raw["systems"][name] = results
+                for label, message in results[0].get("load_errors", {}).items():
+                    raw["failed"][label] = message
     return raw
 

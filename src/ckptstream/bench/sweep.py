@@ -22,6 +22,7 @@ from . import cache
 from .cache import Cold
 from .measure import timed
 from .multirank import Group
+from .options import describe_bytes
 from .state import MiB
 from .text import table
 from .worker import Job, run_ceilings, say, spec_of
@@ -87,7 +88,7 @@ def render(result: dict[str, Any], ceiling: dict[str, Any], device: str, cold: s
               "direct" if c["read_direct_io"] else "buffered",
               f"{c['write']:.2f}", rel(c["write"], w), f"{c['cold']:.2f}", rel(c["cold"], r), f"{c['hot']:.2f}", rel(c["hot"], h)]
              for c in result["rows"]]
-    head = [f"sweep: one {result['bytes'] / 2**30:.2f} GiB tensor on {device}; loads {cold}; ceilings: write "
+    head = [f"sweep: one {describe_bytes(result['bytes'])} tensor on {device}; loads {cold}; ceilings: write "
             f"{w or 0:.2f}, read {r or 0:.2f}, hot {h or 0:.2f} GB/s"]
     grid_lines = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
                     "hot GB/s", "/hot"], lines)

@@ -63,6 +63,10 @@ def _ck_load(path: str, like: Any, device: str, world: int) -> Any:
     return ckptstream.load(path, device=device)  # type: ignore[attr-defined]
 
 
+def _ck_load_unverified(path: str, like: Any, device: str, world: int) -> Any:
+    return ckptstream.load(path, device=device, verify=False)  # type: ignore[attr-defined]  # the cost of checksums
+
+
 def _ck_load_into(path: str, target: Any, device: str, world: int) -> Any:
     return ckptstream.load_into(target, path)  # type: ignore[attr-defined]
 
@@ -142,7 +146,8 @@ SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("ckptstream", "ckptstream", "safetensors", _ck_save,
-               (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True))),
+               (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True),
+                Variant("ckptstream verify=False", _ck_load_unverified))),
         System("engine", "ckptstream", "bin", _engine_save, (Variant("engine", _engine_load),)),
         System("torch", "torch", "pt", _torch_save,
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),

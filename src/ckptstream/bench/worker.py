@@ -24,7 +24,8 @@ from .cache import Cold
 from .measure import PeakRss, release_memory, synchronize, timed, touch
 from .multirank import Group
 from .state import StateSpec, assert_same, build_state, empty_like_state, iter_tensors, state_nbytes
-from .systems import SYSTEMS, System, not_installed
+from .systems import SYSTEMS, System, Variant, not_installed
+from .text import num
 
 Job = dict[str, Any]
 
@@ -71,7 +72,7 @@ def _clear(path: str, group: Group, shared: bool) -> None:
 
 def _report(group: Group, what: str, rec: dict[str, Any], nbytes: int) -> None:
     extra = f", {rec['resident']:.0%} cached before" if rec.get("resident") is not None else ""
-    say(group, f"{what}: {nbytes / rec['seconds'] / 1e9:.2f} GB/s ({rec['seconds']:.2f} s), "
+    say(group, f"{what}: {num(nbytes / rec['seconds'] / 1e9)} GB/s ({num(rec['seconds'])} s), "
                f"peak RSS +{rec['rss'] / 2**20:.0f} MiB{extra}")
 
 
@@ -91,6 +92,7 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     variants = system.variants if job["all_variants"] else system.variants[:1]
     temps = ("cold", "hot") if job["hot"] else ("cold",)
     runs: dict[str, Any] = {"save": [], "loads": {v.label: {t: [] for t in temps} for v in variants}}
+    errors: dict[str, str] = {}
     world = group.world
     try:
         for r in range(job["repeat"]):
@@ -99,23 +101,37 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
             runs["save"].append(rec)
             _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
             files = cache.files_under(path)
-            for v in variants:
+            for v in [v for v in variants if v.label not in errors]:
                 for temp in temps:
-                    target = empty_like_state(state, group.device, resident=True) if v.in_place else state
-
-                    def load(v: Any = v, target: Any = target) -> Any:
-                        out = v.load(path, target, group.device, world)
-                        touch(out)
-                        return out
-
-                    rec, out = phase(group, load, files if temp == "cold" else None, cold)
-                    assert_same(state, out, f"{v.label} ({temp} load of {path})")
-                    del out, target
+                    try:
+                        rec = _load(group, state, v, path, files if temp == "cold" else None, cold, temp)
+                    except Exception as e:
+                        if world > 1:
+                            raise  # the other ranks are at a barrier already: fail the whole group
+                        # one process: the system's other loads can still be measured
+                        errors[v.label] = f"{type(e).__name__}: {e}"
+                        del runs["loads"][v.label]
+                        say(group, f"{v.label} {temp} load failed: {errors[v.label]}")
+                        break
                     runs["loads"][v.label][temp].append(rec)
                     _report(group, f"{v.label} {temp} load {r + 1}/{job['repeat']}", rec, nbytes)
     finally:
         _clear(path, group, shared)
-    return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs}
+    return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs, "load_errors": errors}
+
+
+def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | None, cold: Cold, temp: str) -> dict[str, Any]:
+    """One timed load of variant ``v``, checked against the saved state."""
+    target = empty_like_state(state, group.device, resident=True) if v.in_place else state
+
+    def load() -> Any:
+        out = v.load(path, target, group.device, group.world)
+        touch(out)  # a lazy loader has loaded once every page was read
+        return out
+
+    rec, out = phase(group, load, evict, cold)
+    assert_same(state, out, f"{v.label} ({temp} load of {path})")
+    return rec
 
 
 def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
@@ -133,7 +149,7 @@ def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
         seconds = fn()
         group.barrier()
         out[kind][str(t)].append(seconds)
-        say(group, f"ceiling {kind}, {t} thread(s): {nbytes / seconds / 1e9:.2f} GB/s ({seconds:.2f} s)")
+        say(group, f"ceiling {kind}, {t} thread(s): {num(nbytes / seconds / 1e9)} GB/s ({num(seconds)} s)")
 
     try:
         for _ in range(job["repeat"]):

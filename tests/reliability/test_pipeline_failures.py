@@ -1,0 +1,378 @@
+"""Failures inside the streaming pipeline: an I/O error in an I/O thread after k chunks, a
+failing device copy, a KeyboardInterrupt in the caller (raised by its own code, or delivered
+asynchronously while it waits for the I/O threads).
+
+Each must reach the caller within 5 s, with the I/O threads joined, the staging buffers back in
+the pool, no descriptor left open, no temp file left and the previous checkpoint untouched;
+after 100 failing transfers the descriptors, threads and RSS are what they were before.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import errno
+import gc
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from relutil import (
+    KiB,
+    MiB,
+    all_temp_files,
+    assert_released,
+    assert_same_state,
+    fd_count,
+    rss_kib,
+    small_state,
+)
+
+import ckptstream
+from ckptstream import _fileio, _pipeline
+
+CUDA = torch.cuda.is_available()
+REACH_CALLER_S = 5.0
+SMALL = {"buffer_size": 64 * KiB, "num_buffers": 2}  # ~32 chunks per MiB: failures land mid-stream
+
+
+def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
+    n = mib * MiB // 4
+    return {
+        "w": torch.arange(n // 2, dtype=torch.float32, device=device),
+        "v": torch.arange(n // 2, dtype=torch.int32, device=device).view(-1, 8).t(),  # not contiguous
+        "step": 3,
+    }
+
+
+def in_io_thread() -> bool:
+    return threading.current_thread().name.startswith("ckptstream-")
+
+
+@contextlib.contextmanager
+def fail_in_io_thread(monkeypatch: pytest.MonkeyPatch, name: str, after: int,
+                      fail: Callable[[], None]) -> Iterator[list[int]]:
+    """Make ``_fileio.<name>`` call ``fail()`` on its (after+1)-th call from an I/O thread."""
+    original = getattr(_fileio, name)
+    calls = [0]
+    lock = threading.Lock()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if in_io_thread():
+            with lock:
+                calls[0] += 1
+                n = calls[0]
+            if n == after + 1:
+                fail()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_fileio, name, wrapper)
+    try:
+        yield calls
+    finally:
+        monkeypatch.setattr(_fileio, name, original)
+
+
+def eio() -> None:
+    raise OSError(errno.EIO, "injected I/O error")
+
+
+def enospc() -> None:
+    raise OSError(errno.ENOSPC, "injected: no space left on device")
+
+
+@contextlib.contextmanager
+def reaches_caller(expected: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
+    t0 = time.monotonic()
+    with pytest.raises(expected):
+        yield
+    assert time.monotonic() - t0 < REACH_CALLER_S
+
+
+@pytest.fixture
+def old_checkpoint(tmp_path: Path) -> Iterator[tuple[Path, bytes]]:
+    """A checkpoint to save over; afterwards checks that it and its directory are untouched."""
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(small_state(1), path)
+    before = path.read_bytes()
+    ckptstream.load(path)  # warm up: lazily opened descriptors do not count below
+    yield path, before
+    assert path.read_bytes() == before, "a failed save changed the previous checkpoint"
+    assert all_temp_files(tmp_path) == [], "a failed save left a temp file"
+
+
+# --- I/O errors in the I/O threads --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("after", [0, 1, 7])
+@pytest.mark.parametrize("direct_io", [None, False])
+def test_write_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
+                                  after: int, direct_io: bool | None) -> None:
+    path, _ = old_checkpoint
+    state, fds = big_state(), fd_count()
+    with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
+        ckptstream.save(state, path, direct_io=direct_io, **SMALL)
+    assert_released()
+    assert fd_count() == fds
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_device_to_file_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, after: int) -> None:
+    t, fds = big_state()["v"], fd_count()
+    with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
+        ckptstream.device_to_file(t, tmp_path / "raw.bin", **SMALL)
+    with open(tmp_path / "raw2.bin", "wb") as f, fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), \
+            reaches_caller(OSError):  # fmt: skip
+        ckptstream.device_to_file(t, f, **SMALL)
+    assert_released()
+    assert fd_count() == fds
+
+
+READERS: dict[str, Callable[[Path, Any], Any]] = {
+    "load": lambda path, state: ckptstream.load(path, **SMALL),
+    "verify": lambda path, state: ckptstream.verify(path),
+    "load_into": lambda path, state: ckptstream.load_into(state, path, **SMALL),
+    "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0, **SMALL),
+}
+
+
+@pytest.mark.parametrize("after", [0, 5])
+@pytest.mark.parametrize("reader", list(READERS))
+def test_read_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, reader: str, after: int) -> None:
+    path, state = tmp_path / "ckpt.safetensors", big_state()
+    ckptstream.save(state, path)
+    READERS[reader](path, state)  # warm up
+    fds = fd_count()
+    with ckptstream.settings(buffer_size=64 * KiB), fail_in_io_thread(monkeypatch, "pread_into", after, eio), \
+            reaches_caller(OSError):  # fmt: skip
+        READERS[reader](path, state)
+    assert_released()
+    assert fd_count() == fds
+    assert_same_state(ckptstream.load(path), state)  # the file itself is fine
+
+
+# --- KeyboardInterrupt in the caller ------------------------------------------------------------
+
+
+def raise_after(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, after: int,
+                exc: Callable[[], BaseException]) -> None:
+    """Make ``module.<name>`` raise ``exc()`` on its (after+1)-th call (in the caller's thread)."""
+    original, calls = getattr(module, name), [0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise exc()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
+@pytest.mark.parametrize("after", [0, 3, 20])
+def test_keyboard_interrupt_during_save_copies(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
+                                               after: int) -> None:
+    path, _ = old_checkpoint
+    state, fds = big_state(), fd_count()
+    raise_after(monkeypatch, _pipeline, "copy_out", after, KeyboardInterrupt)
+    with reaches_caller(KeyboardInterrupt):
+        ckptstream.save(state, path, **SMALL)
+    assert_released()
+    assert fd_count() == fds
+
+
+@pytest.mark.parametrize("after", [0, 3, 20])
+def test_keyboard_interrupt_during_load_copies(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, after: int) -> None:
+    path, state = tmp_path / "ckpt.safetensors", big_state()
+    ckptstream.save(state, path)
+    ckptstream.load(path)
+    fds = fd_count()
+    raise_after(monkeypatch, _pipeline, "copy_in", after, KeyboardInterrupt)
+    with reaches_caller(KeyboardInterrupt):
+        ckptstream.load(path, **SMALL)
+    assert_released()
+    assert fd_count() == fds
+
+
+def sigint_main_thread() -> None:
+    """What Ctrl-C does: SIGINT to the main thread, interrupting whatever it waits on."""
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+
+@pytest.mark.parametrize("deliver", [sigint_main_thread, _thread.interrupt_main], ids=["sigint", "interrupt_main"])
+@pytest.mark.parametrize("after", [1, 6])
+def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.MonkeyPatch,
+                                                       old_checkpoint: tuple[Path, bytes], after: int,
+                                                       deliver: Callable[[], None]) -> None:
+    """KeyboardInterrupt delivered to the main thread while it waits for free buffers or for
+    reads (an I/O thread triggers it after ``after`` chunks, long before the transfer ends)."""
+    path, _ = old_checkpoint
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    state, fds = big_state(), fd_count()
+    with fail_in_io_thread(monkeypatch, "pwrite_all", after, deliver), reaches_caller(KeyboardInterrupt):
+        ckptstream.save(state, path, **SMALL)
+    assert_released()
+    assert fd_count() == fds
+    other = path.parent / "other.safetensors"
+    ckptstream.save(state, other)
+    with fail_in_io_thread(monkeypatch, "pread_into", after, deliver), reaches_caller(KeyboardInterrupt):
+        ckptstream.load(other, **SMALL)
+    other.unlink()
+    assert_released()
+    assert fd_count() == fds
+
+
+@contextlib.contextmanager
+def interrupted_thread_start(kind: str) -> Iterator[None]:
+    """A KeyboardInterrupt right after the executor started its second ``kind`` worker (so before
+    it recorded it): the moment a Ctrl-C makes ThreadPoolExecutor lose track of a worker."""
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        original(self)
+        if self.name.startswith(f"ckptstream-{kind}") and self.name.endswith("_1"):
+            raise KeyboardInterrupt
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        threading.Thread.start = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_interrupt_while_starting_a_worker(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
+                                           op: str) -> None:
+    """The worker the executor lost track of must not outlive the call: it would otherwise go on
+    filling a staging buffer already back in the pool, or write to a closed descriptor."""
+    path, _ = old_checkpoint
+    state = big_state()
+    other = path.parent / "other.safetensors"
+    ckptstream.save(state, other)
+    kind, name = ("write", "pwrite_all") if op == "save" else ("read", "pread_into")
+    original = getattr(_fileio, name)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        me = threading.current_thread().name
+        if me.endswith("_0"):
+            time.sleep(0.05)  # the first worker is busy: the executor starts a second one
+        elif me.endswith("_1"):
+            time.sleep(0.3)  # the second one is still at work when the caller gets the interrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_fileio, name, slow)
+    with interrupted_thread_start(kind), reaches_caller(KeyboardInterrupt):
+        if op == "save":
+            ckptstream.save(state, path, **SMALL)
+        else:
+            ckptstream.load(other, **SMALL)
+    assert_released()
+    other.unlink()
+
+
+# --- no leaks after many failures ---------------------------------------------------------------
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                    old_checkpoint: tuple[Path, bytes]) -> None:
+    path, _ = old_checkpoint
+    state = big_state(mib=4)
+    other = path.parent / "other.safetensors"
+    ckptstream.save(state, other)
+    settings = {"buffer_size": 256 * KiB, "num_buffers": 4}
+
+    def failing_transfer(i: int) -> None:
+        kind = i % 5
+        with monkeypatch.context() as m:
+            if kind == 0:
+                with fail_in_io_thread(m, "pwrite_all", i % 7, eio), pytest.raises(OSError):
+                    ckptstream.save(state, path, **settings)
+            elif kind == 1:
+                with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError):
+                    ckptstream.save(state, path, **settings)
+            elif kind == 2:
+                raise_after(m, _pipeline, "copy_out", i % 9, KeyboardInterrupt)
+                with pytest.raises(KeyboardInterrupt):
+                    ckptstream.save(state, path, **settings)
+            elif kind == 3:
+                raise_after(m, _pipeline, "copy_out", i % 4, lambda: RuntimeError("injected copy failure"))
+                with pytest.raises(RuntimeError):
+                    ckptstream.save(state, path, **settings)
+            else:
+                with fail_in_io_thread(m, "pread_into", i % 6, eio), pytest.raises(OSError):
+                    ckptstream.load(other, **settings)
+
+    for i in range(20):  # warm up: the pool's buffers, allocator arenas, lazily opened files
+        failing_transfer(i)
+    gc.collect()
+    fds, threads, native, rss = fd_count(), threading.active_count(), native_threads(), rss_kib()
+    for i in range(100):
+        failing_transfer(i)
+        assert_released()
+    gc.collect()
+    assert fd_count() == fds
+    assert (threading.active_count(), native_threads()) == (threads, native)
+    grown = rss_kib() - rss
+    assert grown < 16 * 1024, f"RSS grew by {grown} KiB over 100 failing transfers"
+    assert all_temp_files(path.parent) == []
+    os.unlink(other)
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("after", [0, 5])
+@pytest.mark.parametrize("copy", ["copy_out", "copy_in"])
+def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
+                                    copy: str, after: int) -> None:
+    path, _ = old_checkpoint
+    state = big_state("cuda")
+    source = path.parent / "source.safetensors"
+    ckptstream.save(state, source)
+    ckptstream.load(source, device="cuda")  # warm up: CUDA context, pinned buffers
+    fds = fd_count()
+    raise_after(monkeypatch, _pipeline, copy, after, lambda: RuntimeError("injected device copy failure"))
+    with reaches_caller(RuntimeError):
+        if copy == "copy_out":
+            ckptstream.save(state, path, **SMALL)
+        else:
+            ckptstream.load_into(state, source, **SMALL)
+    torch.cuda.synchronize()
+    assert_released()
+    assert fd_count() == fds
+    monkeypatch.undo()
+    assert_same_state(ckptstream.load(source, device="cuda"), ckptstream.load(source))
+    os.unlink(source)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("after", [0, 5])
+def test_io_error_with_gpu_tensors(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
+                                   after: int) -> None:
+    path, _ = old_checkpoint
+    state = big_state("cuda")
+    ckptstream.save(state, path.parent / "warm.safetensors")
+    ckptstream.load(path.parent / "warm.safetensors", device="cuda")
+    fds = fd_count()
+    with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
+        ckptstream.save(state, path, **SMALL)
+    with fail_in_io_thread(monkeypatch, "pread_into", after, eio), reaches_caller(OSError):
+        ckptstream.load(path.parent / "warm.safetensors", device="cuda", **SMALL)
+    torch.cuda.synchronize()
+    assert_released()
+    assert fd_count() == fds
+    os.unlink(path.parent / "warm.safetensors")
