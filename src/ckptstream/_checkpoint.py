@@ -209,7 +209,7 @@ def _parse(path: str, fd: int, header: Header) -> Checkpoint:
         tree = {"dict": [[n, {"tensor": n}] for n in names]}
     try:
         leaves = tensor_leaves(tree, path)
-    except RecursionError as e:  # Python 3.12+ parses JSON nested deeper than its own recursion limit
+    except RecursionError as e:  # Python 3.13 parses JSON nested deeper than its own recursion limit
         raise CorruptCheckpointError(f"{path}: the {STRUCTURE_KEY} metadata is nested too deeply") from e
     sizes = {t.name: t.nbytes for t in header.tensors}
     used: set[str] = set()

@@ -189,21 +189,22 @@ def _copy_pieces(run: _Run, chunk: Chunk, buf: StagingBuffer, *, load: bool, ord
     the chunk, in any order; those of non-contiguous ones (``ordered``) by the caller's thread in
     chunk order, because an element cut by a chunk edge waits in a carry for the next chunk.
     """
-    devices = set()
+    wanted = [(p, t) for p in chunk.pieces
+              if (t := run.spans[p.span].tensor) is not None and not (load and t.is_contiguous() == ordered)]
+    devices = []
     with torch.no_grad():
-        for p in chunk.pieces:
-            t = run.spans[p.span].tensor
-            if t is None or (load and t.is_contiguous() == ordered):
-                continue
-            staged = buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo]
-            with run.streams.side(t):
-                if load:
-                    copy_in(staged, t, p.lo, p.hi, run.carry(p.span, t))
-                else:
-                    copy_out(t, p.lo, p.hi, staged)
-            if t.is_cuda:
-                devices.add(t.device)
-    return run.streams.record(devices)
+        # one stream switch per run of pieces on the same device (a chunk may hold many tensors)
+        for device, group in itertools.groupby(wanted, key=lambda pt: pt[1].device):
+            with run.streams.side(device):
+                for p, t in group:
+                    staged = buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo]
+                    if load:
+                        copy_in(staged, t, p.lo, p.hi, run.carry(p.span, t))
+                    else:
+                        copy_out(t, p.lo, p.hi, staged)
+            if device.type == "cuda":
+                devices.append(device)
+    return run.streams.record(dict.fromkeys(devices))
 
 
 def _buffers_for(run: _Run) -> list[StagingBuffer]:

@@ -29,11 +29,11 @@ class Streams:
             side.wait_stream(caller)  # the copies see every kernel queued before the call
             self._caller[device], self._side[device] = caller, side
 
-    def side(self, t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
-        """Make ``t``'s side stream current in this thread (device copies of ``t`` go there)."""
-        if not t.is_cuda:
+    def side(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        """Make ``device``'s side stream current in this thread (its tensors' copies go there)."""
+        if device.type != "cuda":
             return contextlib.nullcontext()
-        return torch.cuda.stream(self._side[t.device])
+        return torch.cuda.stream(self._side[device])
 
     def record(self, devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""

@@ -7,6 +7,9 @@ Kept free of pytest so that the child scripts beside it can import it too.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
+import gc
 import os
 import re
 import socket
@@ -147,6 +150,15 @@ def rss_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def settled_rss_kib() -> int:
+    """RSS after a full garbage collection and, on glibc, after returning the allocator's free
+    heap memory to the system (otherwise freed tensors keep RSS up by tens of MiB at random)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return rss_kib()
 
 
 def assert_released() -> None:

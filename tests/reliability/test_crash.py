@@ -156,7 +156,6 @@ def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -
             trial(mode, rng.uniform(0, timings[mode]["total"]))
         killed = [o for o in outcomes if o[2]]
         summary = f"timings {timings}; outcomes (mode, delay, killed, path holds, temps left) {outcomes}"
-        print(summary)
         assert len(killed) >= MIN_KILLS, summary
         assert {o[3] for o in killed} == {"old", "new"}, f"kills were not spread over the save: {summary}"
         assert any(o[4] for o in killed), f"no kill landed while a temp file existed: {summary}"

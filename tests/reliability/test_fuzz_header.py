@@ -44,6 +44,7 @@ json_values = st.recursive(
 )
 dims = st.lists(st.one_of(st.integers(0, 6), st.sampled_from(HUGE)), max_size=4)
 
+
 def _deep_header(depth: int, in_structure: bool) -> bytes:
     """Nesting around and beyond what the JSON parser and Python's recursion limit take."""
     if not in_structure:

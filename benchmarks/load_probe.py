@@ -1,0 +1,82 @@
+"""Where a checkpoint load's time goes: cold reads buffered vs O_DIRECT, hot reads by staging
+settings, checksums on/off, and the pure read+checksum rate (``verify``, no device copies).
+
+    python benchmarks/load_probe.py DIR [SIZE_GIB]   (CUDA, root for drop_caches)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+import ckptstream
+from ckptstream._buffers import POOL
+from ckptstream.bench.state import StateSpec, build_state, empty_like_state
+
+
+DEVICE = os.environ.get("PROBE_DEVICE", "cuda")
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        print("(page cache not dropped: not root)")
+
+
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    directory, gib = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
+    state = build_state(StateSpec(size_bytes=int(gib * 2**30), tensors=0, tensor_kib=0, seed=1), DEVICE)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    target = empty_like_state(state, DEVICE, resident=True)
+    path = os.path.join(directory, "probe.safetensors")
+    ckptstream.save(state, path)
+    rate = lambda s: f"{nbytes / s / 1e9:6.2f} GB/s"  # noqa: E731
+    print(f"state {nbytes / 2**30:.2f} GiB, {len(list(_tensors(state)))} tensors", flush=True)
+    for rnd in range(2):
+        for name, kw in (("buffered", {"direct_io": False}), ("O_DIRECT", {"direct_io": True})):
+            for cfg in ({}, {"buffer_size": 16 << 20}):
+                with ckptstream.settings(**kw, **cfg):
+                    drop_caches()
+                    s = timed(lambda: ckptstream.load_into(target, path))
+                print(f"cold {rnd} {name:9} {cfg or 'defaults'}: {rate(s)}", flush=True)
+    ckptstream.load_into(target, path)  # page cache warm from here on
+    for threads, buffers, size in ((8, 8, 8), (16, 16, 8), (16, 16, 16), (8, 16, 16), (16, 32, 4)):
+        with ckptstream.settings(io_threads=threads, num_buffers=buffers, buffer_size=size << 20):
+            for verify in (True, False):
+                best = min(timed(lambda v=verify: ckptstream.load_into(target, path, verify=v)) for _ in range(3))
+                print(f"hot load_into {threads} thr {buffers} x {size} MiB verify={verify}: {rate(best)}", flush=True)
+            best = min(timed(lambda: ckptstream.verify(path)) for _ in range(2))
+            print(f"hot verify (read + crc, no device) {threads} thr {buffers} x {size} MiB: {rate(best)}", flush=True)
+            POOL.release_all()
+    big = torch.empty(os.path.getsize(path) // 4, device=DEVICE)
+    for threads in (8, 16):
+        with ckptstream.settings(io_threads=threads, num_buffers=threads):
+            best = min(timed(lambda: ckptstream.file_to_device(path, big)) for _ in range(3))
+        print(f"hot file_to_device one tensor, {threads} thr: {rate(best)}", flush=True)
+    os.unlink(path)
+
+
+def _tensors(state):  # type: ignore[no-untyped-def]
+    from ckptstream._structure import walk
+
+    return (v for _, v in walk(state) if isinstance(v, torch.Tensor))
+
+
+if __name__ == "__main__":
+    main()
