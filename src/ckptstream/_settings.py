@@ -48,7 +48,7 @@ class Settings:
     """
 
     # Defaults chosen from the sweep in docs/benchmarks.md (H200 machine, ext4).
-    buffer_size: int = 8 * MiB
+    buffer_size: int = 16 * MiB
     num_buffers: int = 8
     io_threads: int = 8
     direct_io: bool | None = None

@@ -39,7 +39,7 @@ class Streams:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""
         events = []
         for device in devices:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # I/O threads sleep on it instead of spinning a core
             event.record(self._side[device])
             events.append(event)
         return events
