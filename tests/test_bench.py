@@ -21,7 +21,7 @@ from ckptstream.bench.multirank import Group
 from ckptstream.bench.state import GiB, MiB, StateSpec, build_state, flatten, gpt_shapes, state_nbytes
 
 TINY = str(1 / 128)  # GiB
-DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "torch", "torch mmap", "safetensors", "dcp"]
+DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream verify=False", "torch", "torch mmap", "safetensors", "dcp"]
 
 
 def bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Any]:

@@ -3,9 +3,10 @@
 Save, per chunk: take a free buffer -> enqueue the device-to-host copies of the chunk's bytes on
 a side stream (which first waits for the caller's stream) -> record an event -> an I/O thread
 waits for that event, checksums and pwrites the buffer -> the buffer is free again.
-Load mirrors it: I/O threads wait until the buffer's previous host-to-device copies are done,
-pread and checksum -> the caller's thread enqueues host-to-device copies in chunk order and
-records an event. Many small tensors share one chunk; one large tensor spans many chunks.
+Load mirrors it: an I/O thread waits until the buffer's previous host-to-device copies are
+done, preads, checksums and enqueues the host-to-device copies (those into non-contiguous tensors
+are left to the caller's thread, in chunk order) -> an event marks when the buffer is free again.
+Many small tensors share one chunk; one large tensor spans many chunks.
 """
 
 from __future__ import annotations
