@@ -14,6 +14,11 @@ from collections.abc import Iterator
 import torch
 
 
+def streamable(t: torch.Tensor) -> bool:
+    """Whether the engine can move ``t``'s bytes: a dense (strided) CPU or CUDA tensor."""
+    return t.layout == torch.strided and t.device.type in ("cpu", "cuda") and not t.is_quantized
+
+
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's bytes (no copy)."""
     return t.reshape(-1).view(torch.uint8)

@@ -233,7 +233,7 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     """Write the spans' tensors to ``ep``; returns their CRC-32Cs when ``checksum``."""
     run = _Run(ep, spans, cfg, True, stream, checksum, progress)
     if not run.chunks:
-        return [0] * len(spans)
+        return [0] * len(spans) if checksum else []  # nothing to move: the CRC of no bytes
     buffers = _buffers_for(run)
     free: queue.Queue[StagingBuffer] = queue.Queue()
     for b in buffers:
@@ -305,7 +305,7 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     """Fill the spans' tensors from ``ep``; returns the CRC-32Cs of the bytes read when ``checksum``."""
     run = _Run(ep, spans, cfg, False, stream, checksum, progress)
     if not run.chunks:
-        return [0] * len(spans)
+        return [0] * len(spans) if checksum else []  # nothing to move: the CRC of no bytes
     buffers = _buffers_for(run)
     pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), run.tasks.prefix)
     # the host-to-device copies still reading each buffer, waited for before it is refilled

@@ -22,6 +22,7 @@ import torch
 
 from ._errors import CorruptCheckpointError, UnsupportedTypeError
 from ._format import DTYPE_NAMES, DTYPES, element_count
+from ._layout import streamable
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -61,7 +62,7 @@ def _check_tensor(path: Path, t: torch.Tensor) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedTypeError(f"{path_str(path)}: tensor subclass {type(t).__name__} is not supported; "
                                    "pass a plain tensor (e.g. .to_local() or .detach())")  # fmt: skip
-    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+    if not streamable(t):
         raise UnsupportedTypeError(f"{path_str(path)}: a {t.layout} tensor on {t.device} cannot be stored; "
                                    "only dense CPU and CUDA tensors")  # fmt: skip
     if t.dtype not in DTYPE_NAMES:

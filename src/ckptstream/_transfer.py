@@ -6,6 +6,7 @@ import torch
 
 from . import _fileio
 from ._errors import UnsupportedTypeError
+from ._layout import streamable
 from ._pipeline import Span, read_spans, write_spans
 from ._settings import resolve
 from ._streams import check_stream
@@ -14,7 +15,7 @@ from ._streams import check_stream
 def _check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+    if not streamable(t):
         raise UnsupportedTypeError(
             f"{name} is a {t.layout} tensor on {t.device}{' (quantized)' if t.is_quantized else ''}; "
             "only dense (strided) CPU and CUDA tensors can be streamed"
