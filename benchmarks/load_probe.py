@@ -1,12 +1,14 @@
 """Where a checkpoint load's time goes: cold reads buffered vs O_DIRECT, hot reads by staging
-settings, checksums on/off, and the pure read+checksum rate (``verify``, no device copies).
+settings with checksums on/off, and the pure read+checksum rate (``verify``, no device copies).
 
-    python benchmarks/load_probe.py DIR [SIZE_GIB]   (CUDA, root for drop_caches)
+    python benchmarks/load_probe.py DIR [SIZE_GIB]   (CUDA, root for drop_caches; PROBE_COLD=0
+                                                      skips the cold loads)
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -15,7 +17,6 @@ import torch
 import ckptstream
 from ckptstream._buffers import POOL
 from ckptstream.bench.state import StateSpec, build_state, empty_like_state
-
 
 DEVICE = os.environ.get("PROBE_DEVICE", "cuda")
 
@@ -48,7 +49,7 @@ def main() -> None:
     ckptstream.save(state, path)
     rate = lambda s: f"{nbytes / s / 1e9:6.2f} GB/s"  # noqa: E731
     print(f"state {nbytes / 2**30:.2f} GiB, {len(list(_tensors(state)))} tensors", flush=True)
-    for rnd in range(2):
+    for rnd in range(2 if os.environ.get("PROBE_COLD", "1") != "0" else 0):
         for name, kw in (("buffered", {"direct_io": False}), ("O_DIRECT", {"direct_io": True})):
             for cfg in ({}, {"buffer_size": 16 << 20}):
                 with ckptstream.settings(**kw, **cfg):
@@ -56,12 +57,16 @@ def main() -> None:
                     s = timed(lambda: ckptstream.load_into(target, path))
                 print(f"cold {rnd} {name:9} {cfg or 'defaults'}: {rate(s)}", flush=True)
     ckptstream.load_into(target, path)  # page cache warm from here on
-    for threads, buffers, size in ((8, 8, 8), (16, 16, 8), (16, 16, 16), (8, 16, 16), (16, 32, 4)):
+    for threads, buffers, size in ((8, 8, 16), (12, 12, 16), (16, 16, 8)):
         with ckptstream.settings(io_threads=threads, num_buffers=buffers, buffer_size=size << 20):
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(5):  # verify on and off take turns: the machine's drift hits both alike
+                for verify in (True, False):
+                    times[verify].append(timed(lambda v=verify: ckptstream.load_into(target, path, verify=v)))
             for verify in (True, False):
-                best = min(timed(lambda v=verify: ckptstream.load_into(target, path, verify=v)) for _ in range(3))
-                print(f"hot load_into {threads} thr {buffers} x {size} MiB verify={verify}: {rate(best)}", flush=True)
-            best = min(timed(lambda: ckptstream.verify(path)) for _ in range(2))
+                print(f"hot load_into {threads} thr {buffers} x {size} MiB verify={verify}: median "
+                      f"{rate(statistics.median(times[verify]))}, best {rate(min(times[verify]))}", flush=True)
+            best = min(timed(lambda: ckptstream.verify(path)) for _ in range(3))
             print(f"hot verify (read + crc, no device) {threads} thr {buffers} x {size} MiB: {rate(best)}", flush=True)
             POOL.release_all()
     big = torch.empty(os.path.getsize(path) // 4, device=DEVICE)

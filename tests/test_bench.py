@@ -59,11 +59,14 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
     for row in data["rows"]:
         assert_positive(row["cold"])
         assert_positive(row["hot"])
+        assert len(row["hot"]["gbps_runs"]) == worker.HOT_RUNS  # --quick: one run, hot loads repeated
         if row["label"] in ("ckptstream", "torch", "safetensors", "dcp"):
             assert_positive(row["save"])
             assert row["save_vs_ceiling"] > 0
     ours = data["rows"][0]
     assert ours["save"]["staging"] > 0  # ckptstream's staging buffers are reported
+    cost = {t["target"]: t for t in data["targets"]}["share of hot load speed that verifying costs"]
+    assert cost["value"] == pytest.approx(report.verify_cost(data["rows"])) and cost["kind"] == "<="
     for kind in ("write", "read", "hot"):
         assert data["ceilings"][kind]["gbps"] > 0
     assert set(data["speedups"]) == {"torch", "torch mmap", "safetensors", "dcp"}
@@ -211,6 +214,14 @@ def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
     assert fig["rss_per_process"] == 30 and fig["rss_total"] == 40
 
 
+def test_verify_cost_compares_the_hot_loads_with_and_without_checksums() -> None:
+    rows = [{"label": "ckptstream", "hot": {"gbps": 9.0}}, {"label": "torch", "hot": {"gbps": 1.0}},
+            {"label": "ckptstream verify=False", "hot": {"gbps": 10.0}}]
+    assert report.verify_cost(rows) == pytest.approx(0.1)
+    assert report.verify_cost(rows[:2]) is None
+    assert report.verify_cost([dict(rows[0], hot=None), rows[2]]) is None
+
+
 def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(path: str, like: Any, device: str, world: int) -> Any:
         raise RuntimeError("simulated loader bug")
@@ -224,4 +235,5 @@ def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path
     assert result["load_errors"] == {"torch broken": "RuntimeError: simulated loader bug"}
     assert list(result["runs"]["loads"]) == ["torch"]
     assert len(result["runs"]["save"]) == 2 and len(result["runs"]["loads"]["torch"]["cold"]) == 2
+    assert len(result["runs"]["loads"]["torch"]["hot"]) == 2 * -(-worker.HOT_RUNS // 2)
     assert list((tmp_path / "torch").iterdir()) == []

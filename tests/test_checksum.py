@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from ckptstream import Settings, _checksum, _fileio, _pipeline
-from conftest import EDGE_CASES, as_bytes
+from conftest import EDGE_CASES, as_bytes, assert_bytes_equal, poisoned_like
 
 
 def crc(data: bytes) -> int:
     return int(crc32c.crc32c(data))
+
+
+def combine_pieces(pieces: list[tuple[int, int]]) -> int:
+    """CRC-32C of consecutive pieces given as (crc, length), folded as the pipeline does."""
+    sums = _checksum.SpanCrcs(1)
+    sums.fold([(0, c, n) for c, n in pieces])
+    return sums.values[0]
 
 
 def test_check_value() -> None:
@@ -33,7 +40,7 @@ def test_combine_random_splits(seed: int) -> None:
     bounds = [0, *cuts, len(data)]
     pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
     assert b"".join(pieces) == data
-    assert _checksum.combine_pieces([(crc(p), len(p)) for p in pieces]) == crc(data)
+    assert combine_pieces([(crc(p), len(p)) for p in pieces]) == crc(data)
     k = rng.randrange(0, len(data) + 1)
     assert _checksum.combine(crc(data[:k]), crc(data[k:]), len(data) - k) == crc(data)
 
@@ -42,8 +49,8 @@ def test_combine_with_empty_pieces() -> None:
     a = crc(b"payload")
     assert _checksum.combine(a, crc(b""), 0) == a
     assert _checksum.combine(crc(b""), a, 7) == a
-    assert _checksum.combine_pieces([]) == crc(b"") == 0
-    assert _checksum.combine_pieces([(0, 0), (a, 7), (0, 0)]) == a
+    assert combine_pieces([]) == crc(b"") == 0
+    assert combine_pieces([(0, 0), (a, 7), (0, 0)]) == a
 
 
 def test_combine_large_pieces() -> None:
@@ -93,8 +100,8 @@ def test_combine_is_associative_for_huge_lengths(lengths: tuple[int, int]) -> No
 @pytest.mark.parametrize("buffer_size", [7, 4096, 1 << 20])
 def test_pipeline_checksums_per_tensor(device: torch.device, tmp_path: Path, buffer_size: int) -> None:
     """Tensors packed back to back (several per chunk, or one over many chunks, cut mid-element):
-    write_spans and read_spans return crc32c of each tensor's logical bytes; a read span without
-    a tensor only checksums its bytes."""
+    write_spans and read_spans (into tensors, or only checksumming bytes) return crc32c of each
+    tensor's logical bytes."""
     sources = [case.source(device) for case in EDGE_CASES]
     spans, offset = [], 3
     for t in sources:
@@ -105,10 +112,15 @@ def test_pipeline_checksums_per_tensor(device: torch.device, tmp_path: Path, buf
     cfg = Settings(buffer_size=buffer_size, num_buffers=3, io_threads=3)
     with _fileio.endpoint(path, None, writing=True) as ep:
         assert _pipeline.write_spans(ep, spans, cfg, checksum=True) == expected
-    assert crc(path.read_bytes()) == _checksum.combine_pieces([(crc(bytes(3)), 3)] + [
+    assert crc(path.read_bytes()) == combine_pieces([(crc(bytes(3)), 3)] + [
         (c, s.nbytes) for c, s in zip(expected, spans, strict=True)])
 
     read_cfg = Settings(buffer_size=buffer_size + 5, num_buffers=2, io_threads=2)
     bytes_only = [_pipeline.Span(None, s.offset, s.nbytes) for s in spans]
+    targets = [poisoned_like(t) for t in sources]
+    into = [_pipeline.Span.of(t, s.offset) for t, s in zip(targets, spans, strict=True)]
     with _fileio.endpoint(path, 0, writing=False) as ep:
         assert _pipeline.read_spans(ep, bytes_only, read_cfg, checksum=True) == expected
+        assert _pipeline.read_spans(ep, into, read_cfg, checksum=True) == expected
+    for target, source in zip(targets, sources, strict=True):
+        assert_bytes_equal(target, source)

@@ -9,6 +9,8 @@ tool).
 
 from __future__ import annotations
 
+import functools
+
 import crc32c
 
 ALGORITHM = "crc32c"
@@ -39,6 +41,7 @@ for _ in range(63):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
+@functools.lru_cache(maxsize=256)  # most pieces of a large tensor have the same few lengths
 def _x8nmodp(nbytes: int) -> int:
     """x^(8 * nbytes) modulo P: the operator that appends ``nbytes`` zero bytes."""
     p, k = 1 << 31, 3
@@ -52,14 +55,19 @@ def _x8nmodp(nbytes: int) -> int:
 
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC-32C of A followed by B, from the CRCs of each and the length of B."""
+    if crc_a == 0:  # the shift below is linear: it maps 0 to 0 (A empty, or its CRC is 0)
+        return crc_b
     return _multmodp(_x8nmodp(len_b), crc_a) ^ crc_b if len_b else crc_a
 
 
-def combine_pieces(pieces: list[tuple[int, int]]) -> int:
-    """CRC-32C of consecutive pieces given as (crc, length) in order."""
-    if not pieces:
-        return 0  # the CRC-32C of no bytes
-    total = pieces[0][0]  # one piece (the common case: a small tensor) needs no combining
-    for crc, length in pieces[1:]:
-        total = combine(total, crc, length)
-    return total
+class SpanCrcs:
+    """The CRC-32C of each of ``count`` spans, folded from their pieces as they come in file order."""
+
+    def __init__(self, count: int) -> None:
+        self.values = [0] * count  # the CRC-32C of no bytes
+
+    def fold(self, pieces: list[tuple[int, int, int]]) -> None:
+        """Append pieces given as (span, crc, length)."""
+        values = self.values
+        for span, crc, length in pieces:
+            values[span] = combine(values[span], crc, length)

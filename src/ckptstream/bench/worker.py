@@ -27,6 +27,8 @@ from .state import StateSpec, assert_same, build_state, empty_like_state, iter_t
 from .systems import SYSTEMS, System, Variant, not_installed
 from .text import num
 
+HOT_RUNS = 5  # hot loads per variant (the median is reported)
+
 Job = dict[str, Any]
 
 
@@ -94,6 +96,24 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     runs: dict[str, Any] = {"save": [], "loads": {v.label: {t: [] for t in temps} for v in variants}}
     errors: dict[str, str] = {}
     world = group.world
+
+    def load(v: Variant, temp: str, files: list[str], run: str) -> None:
+        try:
+            rec = _load(group, state, v, path, files if temp == "cold" else None, cold, temp)
+        except Exception as e:
+            if world > 1:
+                raise  # the other ranks are at a barrier already: fail the whole group
+            # one process: the system's other loads can still be measured
+            errors[v.label] = f"{type(e).__name__}: {e}"
+            del runs["loads"][v.label]
+            say(group, f"{v.label} {temp} load failed: {errors[v.label]}")
+            return
+        runs["loads"][v.label][temp].append(rec)
+        _report(group, f"{v.label} {temp} load {run}", rec, nbytes)
+
+    # Hot loads take a fraction of a second but vary from run to run: HOT_RUNS of them per
+    # variant, the variants taking turns, so that the machine's drift falls on all alike.
+    hot_rounds = max(1, -(-HOT_RUNS // job["repeat"])) if "hot" in temps else 0
     try:
         for r in range(job["repeat"]):
             _clear(path, group, shared)
@@ -101,20 +121,13 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
             runs["save"].append(rec)
             _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
             files = cache.files_under(path)
-            for v in [v for v in variants if v.label not in errors]:
-                for temp in temps:
-                    try:
-                        rec = _load(group, state, v, path, files if temp == "cold" else None, cold, temp)
-                    except Exception as e:
-                        if world > 1:
-                            raise  # the other ranks are at a barrier already: fail the whole group
-                        # one process: the system's other loads can still be measured
-                        errors[v.label] = f"{type(e).__name__}: {e}"
-                        del runs["loads"][v.label]
-                        say(group, f"{v.label} {temp} load failed: {errors[v.label]}")
-                        break
-                    runs["loads"][v.label][temp].append(rec)
-                    _report(group, f"{v.label} {temp} load {r + 1}/{job['repeat']}", rec, nbytes)
+            for v in variants:
+                if v.label not in errors:
+                    load(v, "cold", files, f"{r + 1}/{job['repeat']}")
+            for h in range(hot_rounds):
+                for v in variants:
+                    if v.label not in errors:
+                        load(v, "hot", files, f"{r * hot_rounds + h + 1}/{job['repeat'] * hot_rounds}")
     finally:
         _clear(path, group, shared)
     return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs, "load_errors": errors}
