@@ -33,6 +33,7 @@ from ._settings import Settings
 from ._streams import Streams
 
 Progress = Callable[[int], None]
+PieceCrcs = list[tuple[int, int, int]]  # (span, CRC-32C, length) of pieces, in file order
 T = TypeVar("T")
 
 
@@ -212,7 +213,7 @@ def _finish(run: _Run, buffers: list[StagingBuffer], pool: concurrent.futures.Th
     POOL.release(buffers)
 
 
-def _crc_pieces(chunk: Chunk, buf: StagingBuffer) -> list[tuple[int, int, int]]:
+def _crc_pieces(chunk: Chunk, buf: StagingBuffer) -> PieceCrcs:
     """(span, CRC-32C, length) of each of the chunk's pieces, from the staging buffer."""
     return [(p.span, _checksum.crc_of(buf.view[p.buf_lo : p.buf_lo + p.hi - p.lo]), p.hi - p.lo)
             for p in chunk.pieces]
@@ -231,7 +232,7 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
         free.put(b)
     errors: list[BaseException] = []
     pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), run.tasks.prefix)
-    crcs: list[list[tuple[int, int, int]]] = [[] for _ in run.chunks]  # (span, crc, length) per chunk
+    crcs: list[PieceCrcs] = [[] for _ in run.chunks]  # per chunk
 
     def write_chunk(chunk: Chunk, buf: StagingBuffer, events: list[torch.cuda.Event]) -> None:
         try:
@@ -310,15 +311,14 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     in_use: dict[int, list[torch.cuda.Event]] = {id(b): [] for b in buffers}
     sums = _checksum.SpanCrcs(len(spans))
 
-    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> tuple[list[torch.cuda.Event], list[tuple[int, int, int]]]:
+    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> tuple[list[torch.cuda.Event], PieceCrcs]:
         for event in in_use[id(buf)]:
             event.synchronize()
         _read_chunk(run, chunk, buf)
         copies = _copy_pieces(run, chunk, buf, load=True)
         return copies, _crc_pieces(chunk, buf) if checksum else []  # while the device copies
 
-    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[
-        tuple[list[torch.cuda.Event], list[tuple[int, int, int]]] | None]]]
+    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[tuple[list[torch.cuda.Event], PieceCrcs] | None]]]
     pending = collections.deque()
     upcoming = iter(run.chunks)
     ok = False
