@@ -261,10 +261,12 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
         ok = True
     finally:
         _finish(run, buffers, pool, failed=not ok)
+    if not checksum:
+        return []
     sums = _checksum.SpanCrcs(len(spans))
-    for chunk_crcs in crcs:  # in file order
+    for chunk_crcs in crcs:  # in file order (the threads finish chunks in any order)
         sums.fold(chunk_crcs)
-    return sums.values if checksum else []
+    return sums.values
 
 
 def _write_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
