@@ -2,7 +2,8 @@
 settings with checksums on/off, and the pure read+checksum rate (``verify``, no device copies).
 
     python benchmarks/load_probe.py DIR [SIZE_GIB]   (CUDA, root for drop_caches; PROBE_COLD=0
-                                                      skips the cold loads)
+                                                      skips the cold loads; PROBE_CONFIGS sets
+                                                      the hot loads' staging settings)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from ckptstream._buffers import POOL
 from ckptstream.bench.state import StateSpec, build_state, empty_like_state
 
 DEVICE = os.environ.get("PROBE_DEVICE", "cuda")
+# threads x buffers x MiB per buffer, e.g. PROBE_CONFIGS=8x8x16,16x16x8
+CONFIGS = [tuple(int(n) for n in c.split("x")) for c in os.environ.get("PROBE_CONFIGS", "8x8x16,12x12x16,16x16x8").split(",")]
 
 
 def drop_caches() -> None:
@@ -57,7 +60,7 @@ def main() -> None:
                     s = timed(lambda: ckptstream.load_into(target, path))
                 print(f"cold {rnd} {name:9} {cfg or 'defaults'}: {rate(s)}", flush=True)
     ckptstream.load_into(target, path)  # page cache warm from here on
-    for threads, buffers, size in ((8, 8, 16), (12, 12, 16), (16, 16, 8)):
+    for threads, buffers, size in CONFIGS:
         with ckptstream.settings(io_threads=threads, num_buffers=buffers, buffer_size=size << 20):
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(5):  # verify on and off take turns: the machine's drift hits both alike

@@ -21,9 +21,7 @@ def crc(data: bytes) -> int:
 
 def combine_pieces(pieces: list[tuple[int, int]]) -> int:
     """CRC-32C of consecutive pieces given as (crc, length), folded as the pipeline does."""
-    sums = _checksum.SpanCrcs(1)
-    sums.fold([(0, c, n) for c, n in pieces])
-    return sums.values[0]
+    return _checksum.span_crcs(1, [[(0, c, n) for c, n in pieces]])[0]
 
 
 def test_check_value() -> None:

@@ -664,22 +664,23 @@ def test_failure_in_an_io_thread(device: torch.device, tmp_path: Path, monkeypat
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_failure_on_the_callers_side(device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      layout: str, direction: str, k: int, exc: type[BaseException]) -> None:
-    """A device copy fails (or Ctrl-C arrives) while I/O threads are busy: same cleanup, no hang."""
+    """Enqueueing a chunk's device copies fails (or Ctrl-C arrives there) while I/O threads are
+    busy: same cleanup, no hang. Saves enqueue from the caller's thread, loads from I/O threads."""
     base = random_tensor((64, 128), torch.float32, device)
     src = base if layout == "contiguous" else base.t()
     path = tmp_path / "t.bin"
     ckptstream.device_to_file(src, path, buffer_size=1024)  # warm up; the read below needs the file
     before = Resources.snapshot()
-    name = "copy_out" if direction == "write" else "copy_in"
-    real = getattr(_pipeline, name)
+    real = _pipeline._copy_pieces
     calls = itertools.count(1)
 
-    def failing(*args: Any) -> None:
-        real(*args)
+    def failing(*args: Any, **kwargs: Any) -> list[torch.cuda.Event]:
+        events = real(*args, **kwargs)
         if next(calls) == k:
             raise exc("injected")
+        return events
 
-    monkeypatch.setattr(_pipeline, name, failing)
+    monkeypatch.setattr(_pipeline, "_copy_pieces", failing)
     with ckptstream.settings(io_threads=3, num_buffers=3), pytest.raises(exc):
         if direction == "write":
             ckptstream.device_to_file(src, path, buffer_size=1024)

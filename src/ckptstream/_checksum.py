@@ -10,6 +10,7 @@ tool).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import crc32c
 
@@ -60,14 +61,11 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _multmodp(_x8nmodp(len_b), crc_a) ^ crc_b if len_b else crc_a
 
 
-class SpanCrcs:
-    """The CRC-32C of each of ``count`` spans, folded from their pieces as they come in file order."""
-
-    def __init__(self, count: int) -> None:
-        self.values = [0] * count  # the CRC-32C of no bytes
-
-    def fold(self, pieces: list[tuple[int, int, int]]) -> None:
-        """Append pieces given as (span, crc, length)."""
-        values = self.values
+def span_crcs(count: int, chunks: Iterable[list[tuple[int, int, int]]]) -> list[int]:
+    """The CRC-32C of each of ``count`` spans, folded from their pieces, given as (span, crc,
+    length) chunk by chunk in file order."""
+    values = [0] * count  # the CRC-32C of no bytes
+    for pieces in chunks:
         for span, crc, length in pieces:
             values[span] = combine(values[span], crc, length)
+    return values

@@ -3,18 +3,17 @@
 Save, per chunk: take a free buffer -> enqueue the device-to-host copies of the chunk's bytes on
 a side stream (which first waits for the caller's stream) -> record an event -> an I/O thread
 waits for that event, checksums and pwrites the buffer -> the buffer is free again.
-Load mirrors it: an I/O thread waits until the buffer's previous host-to-device copies are
-done, preads, enqueues the host-to-device copies (those into non-contiguous tensors are left to
-the caller's thread, in chunk order) and checksums the buffer while the device reads it -> an
-event marks when the buffer is free again.
+Load mirrors it: each I/O thread owns some buffers; per chunk it claims the next one, waits until
+the buffer's previous host-to-device copies are done, preads, enqueues the host-to-device copies
+and checksums the buffer while the device reads it -> an event marks when the buffer is free again.
 Many small tensors share one chunk; one large tensor spans many chunks.
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import queue
@@ -28,7 +27,7 @@ import torch
 from . import _checksum, _fileio
 from ._buffers import POOL, StagingBuffer
 from ._errors import TruncatedFileError
-from ._layout import copy_in, copy_out
+from ._layout import copy_in, copy_out, flat_bytes
 from ._settings import Settings
 from ._streams import Streams
 
@@ -153,6 +152,10 @@ class _Run:
         self.direct_fd = ep.direct_fd if direct else None  # an endpoint may serve several runs
         self.chunks = plan_chunks(spans, cfg.buffer_size, align if self.direct_fd is not None else 1)
         self.carries: dict[int, torch.Tensor] = {}
+        # per span, made once: contiguous tensors' bytes (their pieces need no layout work) and
+        # the CUDA device whose copies the staging buffers wait for
+        self.flat = [flat_bytes(t) if t is not None and t.is_contiguous() else None for t in (s.tensor for s in spans)]
+        self.device = [t.device if t is not None and t.is_cuda else None for t in (s.tensor for s in spans)]
         self._progress, self._progress_lock = progress, threading.Lock()
         self.tasks = _Tasks("write" if writing else "read")
 
@@ -161,9 +164,13 @@ class _Run:
             with self._progress_lock:
                 self._progress(nbytes)
 
-    def carry(self, span: int, t: torch.Tensor) -> torch.Tensor | None:
-        if t.is_contiguous():
-            return None
+    def copying(self) -> contextlib.ExitStack:
+        """The context in which a thread enqueues this transfer's copies (``_copy_pieces``)."""
+        stack = self.streams.use_side()
+        stack.enter_context(torch.no_grad())
+        return stack
+
+    def carry(self, span: int, t: torch.Tensor) -> torch.Tensor:
         if span not in self.carries:
             self.carries[span] = torch.empty(t.element_size(), dtype=torch.uint8, device=t.device)
         return self.carries[span]
@@ -171,27 +178,29 @@ class _Run:
 
 def _copy_pieces(run: _Run, chunk: Chunk, buf: StagingBuffer, *, load: bool, ordered: bool = False) -> list[torch.cuda.Event]:
     """Enqueue the device copies between ``buf`` and the chunk's tensors; events mark their end.
+    Runs inside ``run.copying()``.
 
-    A load splits the pieces: those of contiguous tensors are copied by the I/O thread that read
-    the chunk, in any order; those of non-contiguous ones (``ordered``) by the caller's thread in
-    chunk order, because an element cut by a chunk edge waits in a carry for the next chunk.
+    A load splits the pieces: those of contiguous tensors are copied in any order; those of
+    non-contiguous ones (``ordered``) in chunk order (``_Turns``), because an element cut by a
+    chunk edge waits in a carry for the next chunk.
     """
-    wanted = [(p, t) for p in chunk.pieces
-              if (t := run.spans[p.span].tensor) is not None and not (load and t.is_contiguous() == ordered)]
-    devices = []
-    with torch.no_grad():
-        # one stream switch per run of pieces on the same device (a chunk may hold many tensors)
-        for device, group in itertools.groupby(wanted, key=lambda pt: pt[1].device):
-            with run.streams.side(device):
-                for p, t in group:
-                    staged = buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo]
-                    if load:
-                        copy_in(staged, t, p.lo, p.hi, run.carry(p.span, t))
-                    else:
-                        copy_out(t, p.lo, p.hi, staged)
-            if device.type == "cuda":
-                devices.append(device)
-    return run.streams.record(dict.fromkeys(devices))
+    devices: set[torch.device | None] = set()
+    for p in chunk.pieces:
+        t, flat = run.spans[p.span].tensor, run.flat[p.span]
+        if t is None or (load and (flat is None) != ordered):
+            continue
+        staged = buf.tensor[p.buf_lo : p.buf_lo + p.hi - p.lo]
+        if flat is not None:
+            if load:
+                flat[p.lo : p.hi].copy_(staged, non_blocking=True)
+            else:
+                staged.copy_(flat[p.lo : p.hi], non_blocking=True)
+        elif load:
+            copy_in(staged, t, p.lo, p.hi, run.carry(p.span, t))
+        else:
+            copy_out(t, p.lo, p.hi, staged)
+        devices.add(run.device[p.span])
+    return run.streams.record(d for d in devices if d is not None)
 
 
 def _buffers_for(run: _Run) -> list[StagingBuffer]:
@@ -249,24 +258,21 @@ def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
 
     ok = False
     try:
-        for chunk in run.chunks:
-            buf = free.get()
-            if errors:
-                raise errors[0]
-            events = _copy_pieces(run, chunk, buf, load=False)
-            pool.submit(run.tasks.run, write_chunk, chunk, buf, events)
+        with run.copying():
+            for chunk in run.chunks:
+                buf = free.get()
+                if errors:
+                    raise errors[0]
+                events = _copy_pieces(run, chunk, buf, load=False)
+                pool.submit(run.tasks.run, write_chunk, chunk, buf, events)
         pool.shutdown(wait=True)
         if errors:
             raise errors[0]
         ok = True
     finally:
         _finish(run, buffers, pool, failed=not ok)
-    if not checksum:
-        return []
-    sums = _checksum.SpanCrcs(len(spans))
-    for chunk_crcs in crcs:  # in file order (the threads finish chunks in any order)
-        sums.fold(chunk_crcs)
-    return sums.values
+    # folded in file order here: the threads finish chunks in any order
+    return _checksum.span_crcs(len(spans), crcs) if checksum else []
 
 
 def _write_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
@@ -303,41 +309,99 @@ def _read_chunk(run: _Run, chunk: Chunk, buf: StagingBuffer) -> None:
 def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
                stream: torch.cuda.Stream | None = None, checksum: bool = False,
                progress: Progress | None = None) -> list[int]:
-    """Fill the spans' tensors from ``ep``; returns the CRC-32Cs of the bytes read when ``checksum``."""
+    """Fill the spans' tensors from ``ep``; returns the CRC-32Cs of the bytes read when ``checksum``.
+
+    Each I/O thread owns some of the buffers and claims the next chunk as soon as one of them is
+    free, so no thread waits for another's chunk (nor for the caller's thread) unless the chunk
+    holds non-contiguous tensors, whose copies take turns in chunk order (see ``_copy_pieces``).
+    """
     run = _Run(ep, spans, cfg, False, stream, progress)
     if not run.chunks:
         return [0] * len(spans) if checksum else []  # nothing to move: the CRC of no bytes
     buffers = _buffers_for(run)
-    pool = concurrent.futures.ThreadPoolExecutor(min(cfg.io_threads, len(buffers)), run.tasks.prefix)
-    # the host-to-device copies still reading each buffer, waited for before it is refilled
-    in_use: dict[int, list[torch.cuda.Event]] = {id(b): [] for b in buffers}
-    sums = _checksum.SpanCrcs(len(spans))
+    threads = min(cfg.io_threads, len(buffers))
+    pool = concurrent.futures.ThreadPoolExecutor(threads, run.tasks.prefix)
+    crcs: list[PieceCrcs] = [[] for _ in run.chunks]  # per chunk
+    claim, claim_lock = iter(run.chunks), threading.Lock()
+    turns = _Turns([c.index for c in run.chunks
+                    if any(spans[p.span].tensor is not None and run.flat[p.span] is None for p in c.pieces)])
 
-    def read_chunk(chunk: Chunk, buf: StagingBuffer) -> tuple[list[torch.cuda.Event], PieceCrcs]:
-        for event in in_use[id(buf)]:
-            event.synchronize()
-        _read_chunk(run, chunk, buf)
-        copies = _copy_pieces(run, chunk, buf, load=True)
-        return copies, _crc_pieces(chunk, buf) if checksum else []  # while the device copies
+    def read_chunks(own: list[StagingBuffer]) -> None:
+        copies: dict[int, list[torch.cuda.Event]] = {id(b): [] for b in own}  # still reading each buffer
+        chunk = None
+        try:
+            with run.copying():
+                for buf in itertools.cycle(own):
+                    with claim_lock:
+                        chunk = None if turns.failed else next(claim, None)
+                    if chunk is None:
+                        return
+                    for event in copies[id(buf)]:
+                        event.synchronize()
+                    _read_chunk(run, chunk, buf)
+                    copies[id(buf)] = _copy_pieces(run, chunk, buf, load=True)
+                    if turns.wait(chunk.index):
+                        copies[id(buf)] += _copy_pieces(run, chunk, buf, load=True, ordered=True)
+                        turns.done()
+                    if checksum:  # while the device copies
+                        crcs[chunk.index] = _crc_pieces(chunk, buf)
+                    run.progressed(chunk.stop - chunk.start)
+        except _Stopped:
+            pass
+        except BaseException as e:
+            errors.append((chunk.index if chunk else -1, e))
+            turns.fail()  # the other threads stop at their next chunk
 
-    pending: collections.deque[tuple[Chunk, StagingBuffer, concurrent.futures.Future[tuple[list[torch.cuda.Event], PieceCrcs] | None]]]
-    pending = collections.deque()
-    upcoming = iter(run.chunks)
+    errors: list[tuple[int, BaseException]] = []
     ok = False
     try:
-        for buf, chunk in zip(buffers, upcoming, strict=False):
-            pending.append((chunk, buf, pool.submit(run.tasks.run, read_chunk, chunk, buf)))
-        while pending:
-            chunk, buf, future = pending.popleft()
-            copied, crcs = future.result() or ([], [])  # None only once the transfer is being torn down
-            in_use[id(buf)] = copied + _copy_pieces(run, chunk, buf, load=True, ordered=True)
-            sums.fold(crcs)  # in file order
-            run.progressed(chunk.stop - chunk.start)
-            nxt = next(upcoming, None)
-            if nxt is not None:
-                pending.append((nxt, buf, pool.submit(run.tasks.run, read_chunk, nxt, buf)))
+        for future in [pool.submit(run.tasks.run, read_chunks, buffers[i::threads]) for i in range(threads)]:
+            future.result()
+        if errors:  # the first in file order (a file cut short reports where it ends)
+            raise min(errors, key=lambda ie: ie[0])[1]
         run.streams.hand_back()
         ok = True
     finally:
+        turns.fail()  # after an interrupt here, the threads stop at their next chunk
         _finish(run, buffers, pool, failed=not ok)
-    return sums.values if checksum else []
+    # folded in file order here: the threads finish chunks in any order
+    return _checksum.span_crcs(len(spans), crcs) if checksum else []
+
+
+class _Turns:
+    """Chunk order for the copies into non-contiguous tensors, across the I/O threads.
+
+    Such a copy may leave the leading bytes of an element cut by the chunk's end in a carry,
+    which the next chunk's copy completes, so those chunks enqueue their copies in file order.
+    Threads claim chunks in file order, so the thread whose turn it is never waits for a later one.
+    """
+
+    def __init__(self, ordered: list[int]) -> None:
+        self._ordered, self._next = set(ordered), iter(sorted(ordered))
+        self._turn = next(self._next, None)
+        self._cv = threading.Condition()
+        self.failed = False
+
+    def wait(self, index: int) -> bool:
+        """Whether chunk ``index`` has such copies; if so, wait for its turn."""
+        if index not in self._ordered:
+            return False
+        with self._cv:
+            self._cv.wait_for(lambda: self._turn == index or self.failed)
+            if self.failed:
+                raise _Stopped()
+        return True
+
+    def done(self) -> None:
+        with self._cv:
+            self._turn = next(self._next, None)
+            self._cv.notify_all()
+
+    def fail(self) -> None:
+        with self._cv:
+            self.failed = True
+            self._cv.notify_all()
+
+
+class _Stopped(Exception):
+    """A thread waiting for its turn learns that the transfer failed elsewhere."""

@@ -29,11 +29,13 @@ class Streams:
             side.wait_stream(caller)  # the copies see every kernel queued before the call
             self._caller[device], self._side[device] = caller, side
 
-    def side(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
-        """Make ``device``'s side stream current in this thread (its tensors' copies go there)."""
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._side[device])
+    def use_side(self) -> contextlib.ExitStack:
+        """Make every device's side stream current in this thread (copies to or from a tensor go
+        to the current stream of its device), until the returned context exits."""
+        stack = contextlib.ExitStack()
+        for side in self._side.values():
+            stack.enter_context(torch.cuda.stream(side))
+        return stack
 
     def record(self, devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""

@@ -180,9 +180,10 @@ def raise_after(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, after: 
 @pytest.mark.parametrize("after", [0, 3, 20])
 def test_keyboard_interrupt_during_save_copies(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
                                                after: int) -> None:
+    """Ctrl-C while the caller's thread enqueues a chunk's device copies (32 chunks in all)."""
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
-    raise_after(monkeypatch, _pipeline, "copy_out", after, KeyboardInterrupt)
+    raise_after(monkeypatch, _pipeline, "_copy_pieces", after, KeyboardInterrupt)
     with reaches_caller(KeyboardInterrupt):
         ckptstream.save(state, path, **SMALL)
     assert_released()
@@ -191,13 +192,13 @@ def test_keyboard_interrupt_during_save_copies(monkeypatch: pytest.MonkeyPatch, 
 
 @pytest.mark.parametrize("after", [0, 3, 10])
 def test_keyboard_interrupt_during_load_copies(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, after: int) -> None:
-    """The caller's thread copies the pieces of non-contiguous targets (``v``, 16 chunks of it;
-    the I/O threads copy the contiguous ones): Ctrl-C raised by one of those copies."""
+    """An exception raised in an I/O thread by a copy into a non-contiguous target (``v``, 16
+    chunks of it, copied in chunk order across the threads) reaches the caller, as it is."""
     path, state = tmp_path / "ckpt.safetensors", big_state()
     ckptstream.save(state, path)
     ckptstream.load_into(state, path)
     fds = fd_count()
-    raise_after(monkeypatch, _pipeline, "copy_in", after, KeyboardInterrupt)
+    raise_after(monkeypatch, _pipeline, "copy_in", after, KeyboardInterrupt, caller_only=False)
     with reaches_caller(KeyboardInterrupt):
         ckptstream.load_into(state, path, **SMALL)
     assert_released()
@@ -314,11 +315,11 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
                 with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError):
                     ckptstream.save(state, path, **settings)
             elif kind == 2:
-                raise_after(m, _pipeline, "copy_out", i % 9, KeyboardInterrupt)
+                raise_after(m, _pipeline, "_copy_pieces", i % 9, KeyboardInterrupt)
                 with pytest.raises(KeyboardInterrupt):
                     ckptstream.save(state, path, **settings)
             elif kind == 3:
-                raise_after(m, _pipeline, "copy_out", i % 4, lambda: RuntimeError("injected copy failure"))
+                raise_after(m, _pipeline, "_copy_pieces", i % 4, lambda: RuntimeError("injected copy failure"))
                 with pytest.raises(RuntimeError):
                     ckptstream.save(state, path, **settings)
             else:
@@ -348,19 +349,19 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("after", [0, 5])
-@pytest.mark.parametrize("copy", ["copy_out", "copy_in"])
+@pytest.mark.parametrize("direction", ["save", "load"])
 def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
-                                    copy: str, after: int) -> None:
+                                    direction: str, after: int) -> None:
     path, _ = old_checkpoint
     state = big_state("cuda")
     source = path.parent / "source.safetensors"
     ckptstream.save(state, source)
     ckptstream.load(source, device="cuda")  # warm up: CUDA context, pinned buffers
     fds = fd_count()
-    raise_after(monkeypatch, _pipeline, copy, after, lambda: RuntimeError("injected device copy failure"),
-                caller_only=False)  # a load copies contiguous pieces from its I/O threads
+    raise_after(monkeypatch, _pipeline, "_copy_pieces", after, lambda: RuntimeError("injected device copy failure"),
+                caller_only=False)  # a load enqueues its copies from its I/O threads
     with reaches_caller(RuntimeError):
-        if copy == "copy_out":
+        if direction == "save":
             ckptstream.save(state, path, **SMALL)
         else:
             ckptstream.load_into(state, source, **SMALL)
