@@ -3,7 +3,9 @@
     python benchmarks/read_probe.py FILE [THREADS]   (FILE hot in the page cache)
 
 Each variant moves the whole file through one 16 MiB staging buffer per thread; with a GPU,
-each filled buffer is copied to the device as in a load. Variants take turns, 3 rounds.
+each filled buffer is copied to the device as in a load (and, in the "crc-after-enqueue" rows,
+checksummed while the device reads it, as loads do). Variants take turns, 3 rounds; the mapping
+is torn down after the clock stops. Results: docs/results/read-probe.txt.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Buf:
         self.event: torch.cuda.Event | None = None
 
 
-def run(path: str, threads: int, fill: Callable[[int, int, int, Buf, int], None], device: bool) -> float:
+def run(path: str, threads: int, fill: Callable[[int, int, int, Buf, int], None], device: bool,
+        after_enqueue: Callable[[Buf, int], None]) -> float:
     size = os.path.getsize(path)
     fd = os.open(path, os.O_RDONLY)
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
@@ -72,7 +75,7 @@ def run(path: str, threads: int, fill: Callable[[int, int, int, Buf, int], None]
                     dst[i * CHUNK : i * CHUNK + n].copy_(buf.tensor[:n], non_blocking=True)
                     buf.event = torch.cuda.Event(blocking=True)
                     buf.event.record(stream)
-                POST[0](buf, n)
+                after_enqueue(buf, n)
         if buf.event is not None:
             buf.event.synchronize()
             buf.event = None
@@ -87,9 +90,6 @@ def run(path: str, threads: int, fill: Callable[[int, int, int, Buf, int], None]
     libc.munmap(addr, size)
     os.close(fd)
     return size / elapsed / 1e9
-
-
-POST: list[Callable[[Buf, int], None]] = [lambda buf, n: None]
 
 
 def pread(fd: int, addr: int, off: int, buf: Buf, n: int) -> None:
@@ -156,8 +156,7 @@ def main() -> None:
                 for post_name, post in (("", lambda b, n: None), (" crc-after-enqueue", lambda b, n: crc32c.crc32c(b.view[:n]))):
                     if post_name and not (device and name in ("pread 16M", "mmap populate + copy 16M")):
                         continue
-                    POST[0] = post
-                    results.setdefault((name, device, post_name), []).append(run(path, threads, fill, device))
+                    results.setdefault((name, device, post_name), []).append(run(path, threads, fill, device, post))
         print(f"round {rnd} done", flush=True)
     for (name, device, post_name), rates in results.items():
         print(f"{threads} thr {'H2D ' if device else 'host'} {name + post_name:42}: median {statistics.median(rates):6.2f} "
