@@ -4,6 +4,9 @@ settings with checksums on/off, and the pure read+checksum rate (``verify``, no 
     python benchmarks/load_probe.py DIR [SIZE_GIB]   (CUDA, root for drop_caches; PROBE_COLD=0
                                                       skips the cold loads; PROBE_CONFIGS sets
                                                       the hot loads' staging settings)
+
+Hot loads with checksums run as the package does them (large tensors checksummed on the GPU)
+and all on the host, taking turns with the loads without checksums.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ import time
 import torch
 
 import ckptstream
+from ckptstream import _gpucrc
 from ckptstream._buffers import POOL
 from ckptstream.bench.state import StateSpec, build_state, empty_like_state
 
 DEVICE = os.environ.get("PROBE_DEVICE", "cuda")
 # threads x buffers x MiB per buffer, e.g. PROBE_CONFIGS=8x8x16,16x16x8
 CONFIGS = [tuple(int(n) for n in c.split("x")) for c in os.environ.get("PROBE_CONFIGS", "8x8x16,12x12x16,16x16x8").split(",")]
+
+
+GPU_FROM = _gpucrc.GPU_FROM
+VARIANTS = [  # name, verify, tensors from this size checksummed on the GPU
+    ("verify=True (large tensors on the GPU)", True, GPU_FROM),
+    ("verify=True (all on the host)", True, 1 << 62),
+    ("verify=False", False, GPU_FROM),
+]
 
 
 def drop_caches() -> None:
@@ -62,16 +74,22 @@ def main() -> None:
     ckptstream.load_into(target, path)  # page cache warm from here on
     for threads, buffers, size in CONFIGS:
         with ckptstream.settings(io_threads=threads, num_buffers=buffers, buffer_size=size << 20):
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(5):  # verify on and off take turns: the machine's drift hits both alike
-                for verify in (True, False):
-                    times[verify].append(timed(lambda v=verify: ckptstream.load_into(target, path, verify=v)))
-            for verify in (True, False):
-                print(f"hot load_into {threads} thr {buffers} x {size} MiB verify={verify}: median "
-                      f"{rate(statistics.median(times[verify]))}, best {rate(min(times[verify]))}", flush=True)
+            times: dict[str, list[float]] = {name: [] for name, _, _ in VARIANTS}
+            for _ in range(5):  # the variants take turns: the machine's drift hits all alike
+                for name, verify, _gpucrc.GPU_FROM in VARIANTS:
+                    times[name].append(timed(lambda v=verify: ckptstream.load_into(target, path, verify=v)))
+            _gpucrc.GPU_FROM = GPU_FROM
+            for name, _, _ in VARIANTS:
+                print(f"hot load_into {threads} thr {buffers} x {size} MiB {name}: median "
+                      f"{rate(statistics.median(times[name]))}, best {rate(min(times[name]))}", flush=True)
             best = min(timed(lambda: ckptstream.verify(path)) for _ in range(3))
             print(f"hot verify (read + crc, no device) {threads} thr {buffers} x {size} MiB: {rate(best)}", flush=True)
             POOL.release_all()
+    if _gpucrc.usable(torch.device(DEVICE)):
+        flat = [b for b in (t.reshape(-1).view(torch.uint8) for t in _tensors(target)) if _gpucrc.eligible(b)]
+        best = min(timed(lambda: _gpucrc.crcs(flat)) for _ in range(3))
+        print(f"GPU checksum of the {len(flat)} large tensors, one launch: "
+              f"{sum(b.numel() for b in flat) / best / 1e9:6.2f} GB/s", flush=True)
     big = torch.empty(os.path.getsize(path) // 4, device=DEVICE)
     for threads in (8, 16):
         with ckptstream.settings(io_threads=threads, num_buffers=threads):

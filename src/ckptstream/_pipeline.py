@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _checksum, _fileio
+from . import _checksum, _fileio, _gpucrc
 from ._buffers import POOL, StagingBuffer
 from ._errors import TruncatedFileError
 from ._layout import copy_in, copy_out, flat_bytes
@@ -222,10 +222,11 @@ def _finish(run: _Run, buffers: list[StagingBuffer], pool: concurrent.futures.Th
     POOL.release(buffers)
 
 
-def _crc_pieces(chunk: Chunk, buf: StagingBuffer) -> PieceCrcs:
-    """(span, CRC-32C, length) of each of the chunk's pieces, from the staging buffer."""
+def _crc_pieces(chunk: Chunk, buf: StagingBuffer, on_device: Sequence[bool] = ()) -> PieceCrcs:
+    """(span, CRC-32C, length) of each of the chunk's pieces, from the staging buffer, but for
+    the spans checksummed ``on_device`` after the load."""
     return [(p.span, _checksum.crc_of(buf.view[p.buf_lo : p.buf_lo + p.hi - p.lo]), p.hi - p.lo)
-            for p in chunk.pieces]
+            for p in chunk.pieces if not (on_device and on_device[p.span])]
 
 
 def write_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
@@ -318,6 +319,7 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
     run = _Run(ep, spans, cfg, False, stream, progress)
     if not run.chunks:
         return [0] * len(spans) if checksum else []  # nothing to move: the CRC of no bytes
+    on_device = _on_device(run) if checksum else []
     buffers = _buffers_for(run)
     threads = min(cfg.io_threads, len(buffers))
     pool = concurrent.futures.ThreadPoolExecutor(threads, run.tasks.prefix)
@@ -344,7 +346,7 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
                         copies[id(buf)] += _copy_pieces(run, chunk, buf, load=True, ordered=True)
                         turns.done()
                     if checksum:  # while the device copies
-                        crcs[chunk.index] = _crc_pieces(chunk, buf)
+                        crcs[chunk.index] = _crc_pieces(chunk, buf, on_device)
                     run.progressed(chunk.stop - chunk.start)
         except _Stopped:
             pass
@@ -359,13 +361,33 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
             future.result()
         if errors:  # the first in file order (a file cut short reports where it ends)
             raise min(errors, key=lambda ie: ie[0])[1]
+        values = _checksum.span_crcs(len(spans), crcs) if checksum else []  # folded in file order
+        if any(on_device):
+            with run.copying():  # queued after the copies
+                for picked in _by_device(run, on_device).values():
+                    for i, crc in zip(picked, _gpucrc.crcs([run.flat[i] for i in picked]), strict=True):  # type: ignore[misc]
+                        values[i] = crc
         run.streams.hand_back()
         ok = True
     finally:
         turns.fail()  # after an interrupt here, the threads stop at their next chunk
         _finish(run, buffers, pool, failed=not ok)
-    # folded in file order here: the threads finish chunks in any order
-    return _checksum.span_crcs(len(spans), crcs) if checksum else []
+    return values
+
+
+def _on_device(run: _Run) -> list[bool]:
+    """Which spans a load checksums on their device once loaded, not from the staging buffers
+    (see _gpucrc): those of large contiguous CUDA tensors."""
+    return [flat is not None and device is not None and _gpucrc.eligible(flat) and _gpucrc.usable(device)
+            for flat, device in zip(run.flat, run.device, strict=True)]
+
+
+def _by_device(run: _Run, picked: list[bool]) -> dict[torch.device | None, list[int]]:
+    out: dict[torch.device | None, list[int]] = {}
+    for i, p in enumerate(picked):
+        if p:
+            out.setdefault(run.device[i], []).append(i)
+    return out
 
 
 class _Turns:
