@@ -4,7 +4,10 @@ host path takes over where the kernel cannot run."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import crc32c
@@ -66,6 +69,24 @@ def test_kernel_equals_crc32c(seed: int) -> None:
     got = _gpucrc.crcs([on_gpu[a : a + n] for a, n in zip(starts, lengths, strict=True)])
     assert got == [crc(data[a : a + n].numpy().tobytes()) for a, n in zip(starts, lengths, strict=True)]
     assert _gpucrc.crcs([on_gpu[:-4]]) == [crc(data[:-4].numpy().tobytes())]
+
+
+INTERPRETED = """
+import random, sys, crc32c, torch
+from ckptstream import _gpucrc
+rng = random.Random(1)
+data = torch.randint(0, 256, (3 * _gpucrc.BLOCK + 4096,), dtype=torch.uint8)
+spans = [(4 * rng.randrange(0, 1000), n) for n in (4, 252, 256, 260, _gpucrc.BLOCK, _gpucrc.BLOCK + 4, 2 * _gpucrc.BLOCK + 20)]
+got = _gpucrc.crcs([data[a : a + n] for a, n in spans])
+sys.exit(got != [crc32c.crc32c(data[a : a + n].numpy().tobytes()) for a, n in spans])
+"""
+
+
+@pytest.mark.skipif(_gpucrc.triton is None, reason="needs Triton")
+def test_kernel_in_tritons_interpreter() -> None:
+    """The kernel's arithmetic on the CPU, through Triton's interpreter (no GPU, no compiler)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", INTERPRETED], env=env, check=True, timeout=300)
 
 
 def test_eligible_bytes() -> None:
