@@ -29,6 +29,10 @@ def test_check_value() -> None:
     assert _checksum.crc_of(memoryview(b"123456789")[3:]) == crc(b"456789")
 
 
+def test_multmodp_of_zero() -> None:
+    assert _checksum._multmodp(0, 0x12345678) == 0 and _checksum._multmodp(0x12345678, 0) == 0
+
+
 @pytest.mark.parametrize("seed", range(25))
 def test_combine_random_splits(seed: int) -> None:
     rng = random.Random(seed)

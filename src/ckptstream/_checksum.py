@@ -25,6 +25,8 @@ def crc_of(data: bytes | bytearray | memoryview) -> int:
 def _multmodp(a: int, b: int) -> int:
     """a * b modulo the CRC polynomial, in reflected bit order."""
     m, p = 1 << 31, 0
+    if a == 0:
+        return 0
     while True:
         if a & m:
             p ^= b

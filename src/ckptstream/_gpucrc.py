@@ -1,57 +1,100 @@
-"""CRC-32C of CUDA memory, computed on the GPU (a Triton kernel), for loads that verify.
+"""CRC-32C of CUDA memory, computed on the GPU, for loads that verify.
 
 A hot load is bound by host memory traffic: the page cache is read, the staging buffer written,
 then read by the device copy. Checksumming the staging buffer on the host reads it once more,
-which cost hot loads 12-20% on the H200 machine, however fast the CRC code (see
+which cost hot loads 6-26% on the H200 machine, however fast the CRC code (see
 docs/benchmarks.md). The GPU reads device memory at terabytes a second and idles during a load,
 so a load into CUDA tensors checksums the large contiguous ones there, once all copies are
 queued: one launch per device for all of them, on the copies' stream. Small tensors stay on the
-host, as does everything where Triton is missing or its self-test fails.
+host, as does everything where the kernel cannot be built or its self-test fails.
 
-The kernel: each program takes one block of BLOCK bytes of one tensor (a tensor is padded with
-zeros in front to whole blocks: leading zeros leave a CRC register of 0 unchanged). Each of its
-LANES lanes runs the CRC register over 64 bytes with slicing-by-4 tables; each lane's value is
-moved to the end of the block (multiplied by x^(8 * bytes after it) mod P), the lanes XOR-ed,
-the block's value moved to the end of the tensor likewise and XOR-ed into the tensor's slot with
-an atomic. That is the tensor's register from 0 without inversions; ``finish`` makes it a CRC-32C.
+The kernel is CUDA C, compiled for the device on first use by NVRTC, the runtime compiler that
+CUDA builds of torch ship with (a tenth of a second; no CUDA toolkit needed), and launched
+through torch's loader for such kernels.
+
+Each thread block takes BLOCK bytes of one tensor (a tensor is padded with zeros in front to
+whole blocks: leading zeros leave a CRC register of 0 unchanged). Its LANES threads read the
+block's 32-bit words interleaved, thread l words l, l + LANES, ..., so that each step reads
+LANES consecutive words. A thread keeps R = R * x^(32 * LANES) + word (mod P, the multiplication
+by lookups in tables in shared memory, a byte at a time); at the end R * x^(32 * (LANES - l)) is
+its share of the block's CRC register. The shares are XOR-ed, the block's value moved to the end
+of the tensor (multiplied by x^(8 * bytes after it)) and XOR-ed into the tensor's slot with an
+atomic. That is the tensor's register from 0 without inversions; ``finish`` makes it a CRC-32C.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import itertools
 import threading
 import warnings
+from typing import Any
 
 import torch
 
 from . import _checksum
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU builds of torch come without it
-    triton = None  # type: ignore[assignment]
-
 GPU_FROM = 1 << 20  # tensors from this size are checksummed on the GPU
-LANES, LANE_BYTES = 256, 256
-BLOCK = LANES * LANE_BYTES
-_SHIFTS = 4096  # blocks after a block: up to _SHIFTS**2 (1 TiB tensors), looked up in two steps
+LANES, WORDS = 256, 256  # a block: LANES threads x WORDS 32-bit words
+BLOCK = LANES * WORDS * 4
+_SHIFTS = 4096  # blocks after a block: up to _SHIFTS**2 (4 TiB tensors), looked up in two steps
 GPU_UP_TO = BLOCK * _SHIFTS**2
 
+_SOURCE = r"""
+__device__ unsigned int mulmod(unsigned int a, unsigned int b) {  // a * b mod P, reflected
+    unsigned int p = 0;
+    for (int i = 0; i < 32; i++) {
+        p ^= b * ((a >> (31 - i)) & 1);
+        b = (b >> 1) ^ ((b & 1) * 0x82F63B78u);
+    }
+    return p;
+}
 
-def _tables() -> list[int]:
-    """Slicing-by-4 tables for the reflected CRC-32C register: t[k * 256 + v] is byte v followed
-    by k zero bytes."""
-    t0 = []
-    for v in range(256):
-        for _ in range(8):
-            v = (v >> 1) ^ _checksum._POLY if v & 1 else v >> 1
-        t0.append(v)
-    tables = list(t0)
-    for k in range(1, 4):
-        tables += [t0[c & 0xFF] ^ (c >> 8) for c in tables[(k - 1) * 256 : k * 256]]
-    return tables
+// tensors: [count, 3] (address, bytes, first block); consts: see _constants(); out: registers
+extern "C" __global__ void __launch_bounds__(LANES) crc32c_blocks(
+        const long long* tensors, int count, const unsigned int* consts, unsigned int* out) {
+    __shared__ unsigned int table[1024];
+    __shared__ unsigned int shares[LANES / 32];
+    for (int i = threadIdx.x; i < 1024; i += LANES) table[i] = consts[i];
+    int lo = 0, hi = count - 1;  // the tensor of this block: the last one starting at or before it
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tensors[3 * mid + 2] <= blockIdx.x) lo = mid; else hi = mid - 1;
+    }
+    const unsigned int* words = (const unsigned int*)tensors[3 * lo];  // 4-byte aligned
+    const long long n = tensors[3 * lo + 1] / 4;  // whole words
+    const long long block = blockIdx.x - tensors[3 * lo + 2];
+    const long long blocks = (n + LANES * WORDS - 1) / (LANES * WORDS);
+    const long long start = (block - blocks) * (LANES * WORDS) + n + threadIdx.x;  // < 0: padding
+    __syncthreads();
+    unsigned int r = 0;
+#pragma unroll 8
+    for (int j = 0; j < WORDS; j++) {
+        const long long at = start + (long long)j * LANES;
+        const unsigned int word = at >= 0 ? __ldg(words + at) : 0u;
+        r = table[r & 255] ^ table[256 + ((r >> 8) & 255)] ^ table[512 + ((r >> 16) & 255)]
+            ^ table[768 + (r >> 24)] ^ word;
+    }
+    r = mulmod(r, consts[1024 + threadIdx.x]);
+    for (int o = 16; o > 0; o >>= 1) r ^= __shfl_xor_sync(0xffffffffu, r, o);
+    if (threadIdx.x % 32 == 0) shares[threadIdx.x / 32] = r;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int value = 0;
+        for (int i = 0; i < LANES / 32; i++) value ^= shares[i];
+        const long long after = blocks - 1 - block;  // whole blocks after this one
+        value = mulmod(value, consts[1024 + LANES + after % SHIFTS]);
+        value = mulmod(value, consts[1024 + LANES + SHIFTS + after / SHIFTS]);
+        atomicXor(out + lo, value);
+    }
+}
+"""
+
+
+def _times(constant: int) -> list[int]:
+    """Tables that multiply a register by ``constant`` mod P a byte at a time: t[k * 256 + v] is
+    byte v of the register, at byte k, times the constant."""
+    return [_checksum._multmodp(v << (8 * k), constant) for k in range(4) for v in range(256)]
 
 
 def _powers(nbytes: int, count: int) -> list[int]:
@@ -63,80 +106,30 @@ def _powers(nbytes: int, count: int) -> list[int]:
 
 
 def _constants() -> list[int]:
-    """The slicing tables; x^(8 * LANE_BYTES * (LANES-1-lane)) per lane; x^(8 * BLOCK * k) and
+    """Tables times x^(32 * LANES); x^(32 * (LANES - lane)) per thread; x^(8 * BLOCK * k) and
     x^(8 * BLOCK * _SHIFTS * k) for k < _SHIFTS."""
-    lanes = _powers(LANE_BYTES, LANES)[::-1]
-    return _tables() + lanes + _powers(BLOCK, _SHIFTS) + _powers(BLOCK * _SHIFTS, _SHIFTS)
+    lanes = _powers(4, LANES + 1)[:0:-1]
+    return (_times(_checksum._x8nmodp(4 * LANES)) + lanes
+            + _powers(BLOCK, _SHIFTS) + _powers(BLOCK * _SHIFTS, _SHIFTS))
 
 
-if triton is not None:
-
-    @triton.jit
-    def _xor(a, b):  # type: ignore[no-untyped-def]
-        return a ^ b
-
-    @triton.jit
-    def _mulmod(a, b):  # type: ignore[no-untyped-def]
-        """a * b mod P, reflected (bit 31 holds x^0), element-wise on uint32."""
-        poly = tl.full([], 0x82F63B78, tl.uint32)
-        p = a ^ a
-        for i in tl.static_range(32):
-            p = p ^ (b * ((a >> (31 - i)) & 1))
-            b = (b >> 1) ^ ((b & 1) * poly)
-        return p
-
-    @triton.jit
-    def _table(consts, index):  # type: ignore[no-untyped-def]
-        return tl.load(consts + index).to(tl.uint32, bitcast=True)
-
-    @triton.jit
-    def _crc_kernel(tensors, block_tensors, consts, out,  # type: ignore[no-untyped-def]
-                    LANES: tl.constexpr, LANE_BYTES: tl.constexpr, SHIFTS: tl.constexpr):
-        pid = tl.program_id(0)
-        tensor = tl.load(block_tensors + pid)
-        words = tl.load(tensors + 3 * tensor).to(tl.pointer_type(tl.uint32))  # 4-byte aligned
-        n = tl.load(tensors + 3 * tensor + 1)  # a multiple of 4
-        block = pid - tl.load(tensors + 3 * tensor + 2)  # minus the tensor's first block
-        blocks = (n + LANES * LANE_BYTES - 1) // (LANES * LANE_BYTES)
-        lane = tl.arange(0, LANES)
-        # word offsets: the padding in front of the first block is negative (a multiple of 4)
-        start = ((block - blocks) * (LANES * LANE_BYTES) + n) // 4 + lane.to(tl.int64) * (LANE_BYTES // 4)
-        crc = tl.zeros([LANES], dtype=tl.uint32)
-        for j in range(LANE_BYTES // 4):  # a loop, not unrolled: unrolled, it compiled for minutes
-            x = crc ^ tl.load(words + start + j, mask=start + j >= 0, other=0)
-            crc = (_table(consts, 768 + (x & 0xFF)) ^ _table(consts, 512 + ((x >> 8) & 0xFF))
-                   ^ _table(consts, 256 + ((x >> 16) & 0xFF)) ^ _table(consts, x >> 24))
-        value = tl.reduce(_mulmod(crc, _table(consts, 1024 + lane)), 0, _xor)
-        after = blocks - 1 - block  # whole blocks after this one: x^(8 * BLOCK * after)
-        shifts = 1024 + LANES
-        value = _mulmod(value, _table(consts, shifts + after % SHIFTS))
-        value = _mulmod(value, _table(consts, shifts + SHIFTS + after // SHIFTS))
-        tl.atomic_xor(out + tensor, value.to(tl.int32, bitcast=True))
-
-
-_consts: dict[torch.device, torch.Tensor] = {}
-_usable: dict[torch.device, bool] = {}
+_kernels: dict[torch.device, tuple[Any, torch.Tensor] | None] = {}  # kernel, constants
 _lock = threading.Lock()
 
 
 def crcs(tensors: list[torch.Tensor]) -> list[int]:
-    """The CRC-32C of each of ``tensors`` (uint8, 1-d, contiguous, on one CUDA device; see
-    ``eligible``), in one launch on the device's current stream; waits for it."""
+    """The CRC-32C of each of ``tensors`` (uint8, 1-d, contiguous, on one CUDA device for which
+    ``usable`` said yes; see ``eligible``), in one launch on the device's current stream; waits
+    for it."""
     device = tensors[0].device
+    kernel, consts = _kernels[device]  # type: ignore[misc]
     lengths = [t.numel() for t in tensors]
-    blocks = [-(-n // BLOCK) for n in lengths]
-    firsts = list(itertools.accumulate(blocks, initial=0))
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # CPU: Triton's interpreter
-        if device not in _consts:  # int32 wraps the large ones: the kernel reads their bits
-            _consts[device] = torch.tensor(_constants(), dtype=torch.int64).to(torch.int32).to(device)
-        # one table, so that the kernel is compiled once (Triton specializes on pointer alignment)
+    firsts = list(itertools.accumulate((-(-n // BLOCK) for n in lengths), initial=0))
+    with torch.cuda.device(device):
         table = torch.tensor([[t.data_ptr(), n, first] for t, n, first in zip(tensors, lengths, firsts[:-1], strict=True)],
                              dtype=torch.int64).to(device)
-        block_tensors = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device),
-                                                table.new_tensor(blocks), output_size=firsts[-1])
         out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
-        _crc_kernel[(firsts[-1],)](table, block_tensors, _consts[device], out,
-                                   LANES=LANES, LANE_BYTES=LANE_BYTES, SHIFTS=_SHIFTS)
+        kernel(grid=(firsts[-1], 1, 1), block=(LANES, 1, 1), args=[table, len(tensors), consts, out])
         return [finish(r, n) for r, n in zip(out.tolist(), lengths, strict=True)]
 
 
@@ -153,27 +146,69 @@ def finish(register: int, nbytes: int) -> int:
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the kernel runs and agrees with the host's CRC on ``device``, tried once per
-    device and process (the first try compiles it; Triton caches that on disk)."""
-    if triton is None or device.type != "cuda":
+    """Whether the kernel builds, runs and agrees with the host's CRC on ``device``, tried once
+    per device and process."""
+    if device.type != "cuda" or torch.version.cuda is None:
         return False
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
-        if device not in _usable:
-            _usable[device] = _self_test(device)
-        return _usable[device]
+        if device not in _kernels:
+            _kernels[device] = _built(device)
+        return _kernels[device] is not None
+
+
+def _built(device: torch.device) -> tuple[Any, torch.Tensor] | None:
+    from torch.cuda import _utils  # torch's own loader for NVRTC kernels
+
+    if not hasattr(_utils, "_cuda_load_module"):  # torch before 2.8: checksums on the host
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+        image = _compile(_utils._get_nvrtc_library(), f"sm_{major}{minor}")
+        with torch.cuda.device(device):
+            kernel = _utils._cuda_load_module(image, ["crc32c_blocks"])["crc32c_blocks"]  # type: ignore[index]
+            consts = torch.tensor(_constants(), dtype=torch.int64).to(torch.int32).to(device)  # bits of uint32
+        _kernels[device] = kernel, consts  # where crcs finds them for the self-test
+        if _self_test(device):
+            return kernel, consts
+        warnings.warn(f"ckptstream: the GPU checksum disagrees with the host's on {device}: "
+                      "checksumming on the host instead", RuntimeWarning, stacklevel=4)
+    except Exception as e:  # no NVRTC library, a failure to compile or run: use the host
+        warnings.warn(f"ckptstream: the GPU checksum failed on {device} ({type(e).__name__}: {e}): "
+                      "checksumming on the host instead", RuntimeWarning, stacklevel=4)
+    return None
+
+
+def _compile(nvrtc: ctypes.CDLL, arch: str) -> bytes:
+    """The kernel compiled by NVRTC for ``arch`` (e.g. sm_90), as a cubin."""
+    source = f"#define LANES {LANES}\n#define WORDS {WORDS}\n#define SHIFTS {_SHIFTS}\n{_SOURCE}".encode()
+    program = ctypes.c_void_p()
+    _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"crc32c.cu", 0, None, None))
+    try:
+        options = [f"--gpu-architecture={arch}".encode()]
+        if nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options)):
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"NVRTC could not compile the checksum kernel: {log.value.decode()}")
+        size = ctypes.c_size_t()
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, cubin))
+        return cubin.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _nvrtc_check(nvrtc: ctypes.CDLL, result: int) -> None:
+    if result:
+        nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC: {nvrtc.nvrtcGetErrorString(result).decode()}")
 
 
 def _self_test(device: torch.device) -> bool:
-    try:
-        data = torch.randint(0, 256, (3 * BLOCK + 12344,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-        pieces = [data[8:], data[:4], data[4 : BLOCK + 8]]  # whole 32-bit words, as ``eligible`` admits
-        if crcs([p.to(device) for p in pieces]) == [_checksum.crc_of(p.numpy().tobytes()) for p in pieces]:
-            return True
-        warnings.warn(f"ckptstream: the GPU checksum disagrees with the host's on {device}: "
-                      "checksumming on the host instead", RuntimeWarning, stacklevel=3)
-    except Exception as e:  # any failure to compile or run: use the host
-        warnings.warn(f"ckptstream: the GPU checksum failed on {device} ({type(e).__name__}: {e}): "
-                      "checksumming on the host instead", RuntimeWarning, stacklevel=3)
-    return False
+    data = torch.randint(0, 256, (3 * BLOCK + 12344,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pieces = [data[8:], data[:4], data[4 : BLOCK + 8]]  # whole 32-bit words, as ``eligible`` admits
+    return crcs([p.to(device) for p in pieces]) == [_checksum.crc_of(p.numpy().tobytes()) for p in pieces]
