@@ -47,21 +47,6 @@ def test_tables_multiply_the_register_by_a_constant() -> None:
             assert looked_up == _checksum._multmodp(r, constant)
 
 
-def test_lanes_interleaved_give_the_crc() -> None:
-    """The kernel's arithmetic in Python: LANES lanes over interleaved words, their shares moved
-    to the block's end and XOR-ed, is the register of the block from 0."""
-    lanes, words = 8, 5
-    data = random.Random(7).randbytes(4 * lanes * words)
-    w = [int.from_bytes(data[4 * i : 4 * i + 4], "little") for i in range(lanes * words)]
-    step, value = _checksum._x8nmodp(4 * lanes), 0
-    for lane in range(lanes):
-        r = 0
-        for j in range(words):
-            r = _checksum._multmodp(r, step) ^ w[j * lanes + lane]
-        value ^= _checksum._multmodp(r, _checksum._x8nmodp(4 * (lanes - lane)))
-    assert _gpucrc.finish(value, len(data)) == crc(data)
-
-
 def test_host_only_without_cuda() -> None:
     assert not _gpucrc.usable(torch.device("cpu"))
 
