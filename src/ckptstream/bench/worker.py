@@ -27,7 +27,7 @@ from .state import StateSpec, assert_same, build_state, empty_like_state, iter_t
 from .systems import SYSTEMS, System, Variant, not_installed
 from .text import num
 
-HOT_RUNS = 5  # hot loads per variant (the median is reported)
+HOT_RUNS = 9  # hot loads per variant (the median is reported): single ones swing by +-10%
 
 Job = dict[str, Any]
 
