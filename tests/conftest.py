@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ckptstream import _buffers
+from ckptstream import _buffers, _pipeline
 
 CUDA = torch.cuda.is_available()
 POISON_BYTE = 0xAB  # never produced by random_bytes, so an unwritten byte always shows
@@ -86,6 +86,15 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
 def as_bytes(t: torch.Tensor) -> bytes:
     """The logical row-major bytes of ``t`` (what ``t.contiguous()`` holds), on the host."""
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def packed_spans(tensors: list[torch.Tensor], start: int) -> list[_pipeline.Span]:
+    """Spans of ``tensors`` back to back in a file, from byte ``start``."""
+    spans, offset = [], start
+    for t in tensors:
+        spans.append(_pipeline.Span.of(t, offset))
+        offset += t.numel() * t.element_size()
+    return spans
 
 
 def assert_bytes_equal(actual: torch.Tensor | bytes, expected: torch.Tensor | bytes) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstream import Settings, _checksum, _fileio, _pipeline
-from conftest import EDGE_CASES, as_bytes, assert_bytes_equal, poisoned_like
+from conftest import EDGE_CASES, as_bytes, assert_bytes_equal, packed_spans, poisoned_like
 
 
 def crc(data: bytes) -> int:
@@ -105,10 +105,7 @@ def test_pipeline_checksums_per_tensor(device: torch.device, tmp_path: Path, buf
     write_spans and read_spans (into tensors, or only checksumming bytes) return crc32c of each
     tensor's logical bytes."""
     sources = [case.source(device) for case in EDGE_CASES]
-    spans, offset = [], 3
-    for t in sources:
-        spans.append(_pipeline.Span.of(t, offset))
-        offset += t.numel() * t.element_size()
+    spans = packed_spans(sources, 3)
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
     cfg = Settings(buffer_size=buffer_size, num_buffers=3, io_threads=3)

@@ -13,7 +13,7 @@ import torch
 
 import ckptstream
 from ckptstream import Settings, _checksum, _fileio, _gpucrc, _pipeline
-from conftest import CUDA, EDGE_CASES, as_bytes, assert_bytes_equal, poisoned_like
+from conftest import CUDA, EDGE_CASES, as_bytes, assert_bytes_equal, packed_spans, poisoned_like
 
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
@@ -145,10 +145,7 @@ def test_pipeline_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(_gpucrc, "GPU_FROM", gpu_from)
     device = torch.device("cuda")
     sources = _large_sources(device) + [case.source(device) for case in EDGE_CASES]
-    spans, offset = [], 5
-    for t in sources:
-        spans.append(_pipeline.Span.of(t, offset))
-        offset += t.numel() * t.element_size()
+    spans = packed_spans(sources, 5)
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
     with _fileio.endpoint(path, None, writing=True) as ep:
