@@ -2,7 +2,7 @@
 
 A hot load is bound by host memory traffic: the page cache is read, the staging buffer written,
 then read by the device copy. Checksumming the staging buffer on the host reads it once more,
-which cost hot loads 6-26% on the H200 machine, however fast the CRC code (see
+which cost hot loads 4-26% on the H200 machine, however fast the CRC code (see
 docs/benchmarks.md). The GPU reads device memory at terabytes a second and idles during a load,
 so a load into CUDA tensors checksums the large contiguous ones there, once all copies are
 queued: one launch per device for all of them, on the copies' stream. Small tensors stay on the
