@@ -364,7 +364,7 @@ def read_spans(ep: _fileio.Endpoint, spans: Sequence[Span], cfg: Settings, *,
         values = _checksum.span_crcs(len(spans), crcs) if checksum else []  # folded in file order
         if any(on_device):
             with run.copying():  # queued after the copies
-                for picked in _by_device(run, on_device).values():
+                for picked in _by_device(run, on_device).values():  # spans with bytes on a device: flat is set
                     for i, crc in zip(picked, _gpucrc.crcs([run.flat[i] for i in picked]), strict=True):  # type: ignore[misc]
                         values[i] = crc
         run.streams.hand_back()
