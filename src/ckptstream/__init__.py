@@ -1,5 +1,6 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
+from ._buffers import release_staging, staging_bytes
 from ._checkpoint import load, read_metadata, save, verify
 from ._errors import (
     CkptStreamError,
@@ -29,7 +30,9 @@ __all__ = [
     "load",
     "load_into",
     "read_metadata",
+    "release_staging",
     "save",
     "settings",
+    "staging_bytes",
     "verify",
 ]

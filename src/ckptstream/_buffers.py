@@ -45,7 +45,8 @@ class BufferPool:
     def __init__(self) -> None:
         self._idle: dict[tuple[int, bool], list[StagingBuffer]] = {}
         self._lock = threading.Lock()
-        self.in_use = 0
+        self.in_use = 0  # buffers lent to transfers
+        self._lent_bytes = 0
 
     def acquire(self, size: int, count: int, pinned: bool) -> list[StagingBuffer]:
         with self._lock:
@@ -60,6 +61,7 @@ class BufferPool:
             raise
         with self._lock:
             self.in_use += count
+            self._lent_bytes += count * size
         return taken
 
     def release(self, buffers: list[StagingBuffer]) -> None:
@@ -67,19 +69,45 @@ class BufferPool:
             for buf in buffers:
                 self._idle.setdefault((buf.size, buf.pinned), []).append(buf)
             self.in_use -= len(buffers)
+            self._lent_bytes -= sum(b.size for b in buffers)
 
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(b.size for bufs in self._idle.values() for b in bufs)
 
-    def release_all(self) -> None:
-        """Free every idle buffer (unpin and unmap). Buffers in use stay with their transfer."""
+    def allocated_bytes(self) -> int:
+        """Bytes of staging held by the pool: idle buffers and those lent to transfers."""
+        with self._lock:
+            return self._lent_bytes + sum(b.size for bufs in self._idle.values() for b in bufs)
+
+    def release_all(self) -> int:
+        """Free every idle buffer (unpin and unmap); returns the bytes freed. Buffers in use stay
+        with their transfer."""
         with self._lock:
             idle, self._idle = self._idle, {}
         for bufs in idle.values():
             for buf in bufs:
                 buf.free()
+        return sum(b.size for bufs in idle.values() for b in bufs)
 
 
 POOL = BufferPool()
 atexit.register(POOL.release_all)
+
+
+def staging_bytes() -> int:
+    """Bytes of host staging memory (pinned on a GPU machine) that ckptstream holds now.
+
+    Transfers keep their staging buffers in a process-wide pool for the next transfer; this is
+    the pool's size, buffers in use included. Example:
+        >>> ckptstream.save(state, "ckpt.safetensors")
+        >>> ckptstream.staging_bytes()  # num_buffers x buffer_size of the save
+        134217728
+    """
+    return POOL.allocated_bytes()
+
+
+def release_staging() -> int:
+    """Free the idle staging buffers (unpin and unmap them); returns the bytes freed. Buffers of
+    transfers still running stay with them. The next transfer allocates anew."""
+    return POOL.release_all()
