@@ -1,7 +1,6 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
-from ._buffers import release_staging, staging_bytes
-from ._checkpoint import load, read_metadata, save, verify
+from ._engine import release_staging, staging_bytes
 from ._errors import (
     CkptStreamError,
     CorruptCheckpointError,
@@ -10,18 +9,26 @@ from ._errors import (
     TruncatedFileError,
     UnsupportedTypeError,
 )
+from ._load import load, open, read_metadata, verify
 from ._load_into import load_into
-from ._settings import Settings, current_settings, settings
+from ._reader import CheckpointReader, TensorEntry, TensorSlice
+from ._save import save
+from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
 from ._transfer import device_to_file, file_to_device
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "INHERIT",
+    "CheckpointReader",
     "CkptStreamError",
     "CorruptCheckpointError",
+    "DirectIO",
     "Settings",
     "StateMismatchError",
     "StateMismatchWarning",
+    "TensorEntry",
+    "TensorSlice",
     "TruncatedFileError",
     "UnsupportedTypeError",
     "current_settings",
@@ -29,6 +36,7 @@ __all__ = [
     "file_to_device",
     "load",
     "load_into",
+    "open",
     "read_metadata",
     "release_staging",
     "save",

@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import crc32c
 
-ALGORITHM = "crc32c"
 _POLY = 0x82F63B78  # reflected Castagnoli polynomial
 
 
@@ -22,7 +21,7 @@ def crc_of(data: bytes | bytearray | memoryview) -> int:
     return int(crc32c.crc32c(data))
 
 
-def _multmodp(a: int, b: int) -> int:
+def multiply(a: int, b: int) -> int:
     """a * b modulo the CRC polynomial, in reflected bit order."""
     m, p = 1 << 31, 0
     if a == 0:
@@ -41,16 +40,16 @@ def _multmodp(a: int, b: int) -> int:
 # from 512 MiB on.
 _X2N = [1 << 30]
 for _ in range(63):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+    _X2N.append(multiply(_X2N[-1], _X2N[-1]))
 
 
 @functools.lru_cache(maxsize=256)  # most pieces of a large tensor have the same few lengths
-def _x8nmodp(nbytes: int) -> int:
+def shift(nbytes: int) -> int:
     """x^(8 * nbytes) modulo P: the operator that appends ``nbytes`` zero bytes."""
     p, k = 1 << 31, 3
     while nbytes:
         if nbytes & 1:
-            p = _multmodp(_X2N[k], p)
+            p = multiply(_X2N[k], p)
         nbytes >>= 1
         k += 1
     return p
@@ -60,14 +59,14 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC-32C of A followed by B, from the CRCs of each and the length of B."""
     if crc_a == 0:  # the shift below is linear: it maps 0 to 0 (A empty, or its CRC is 0)
         return crc_b
-    return _multmodp(_x8nmodp(len_b), crc_a) ^ crc_b if len_b else crc_a
+    return multiply(shift(len_b), crc_a) ^ crc_b if len_b else crc_a
 
 
 def span_crcs(count: int, chunks: Iterable[list[tuple[int, int, int]]]) -> list[int]:
-    """The CRC-32C of each of ``count`` spans, folded from their pieces, given as (span, crc,
-    length) chunk by chunk in file order."""
+    """The CRC-32C of each of ``count`` byte spans, folded from their parts, given as (span,
+    crc, length) chunk by chunk in file order."""
     values = [0] * count  # the CRC-32C of no bytes
-    for pieces in chunks:
-        for span, crc, length in pieces:
+    for parts in chunks:
+        for span, crc, length in parts:
             values[span] = combine(values[span], crc, length)
     return values

@@ -1,5 +1,6 @@
-"""File access under the pipeline: open (O_DIRECT where allowed), checked pwrite/pread loops,
-fsync, atomic publish. Everything that touches a file descriptor lives here."""
+"""File descriptors under the pipeline: opening (O_DIRECT where allowed), checked pwrite / pread
+loops, fsync. Everything that reads or writes a descriptor lives here; publishing a file
+atomically is ``_publish``'s job."""
 
 from __future__ import annotations
 
@@ -9,15 +10,12 @@ import errno
 import fcntl
 import io
 import os
-import socket
 import stat
-import uuid
 from collections.abc import Iterator
 from typing import IO, Union
 
 from ._errors import TruncatedFileError
 
-ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
 FileLike = Union[str, "os.PathLike[str]", int, IO[bytes]]
 
 
@@ -29,7 +27,8 @@ def round_up(value: int, align: int) -> int:
     return -(-value // align) * align
 
 
-def describe_fd(fd: int) -> str:
+def fd_path(fd: int) -> str:
+    """What a descriptor points to, for messages."""
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -41,90 +40,102 @@ def os_error(e: OSError, what: str, path: str) -> OSError:
     return OSError(e.errno, f"{e.strerror} ({what})", path)
 
 
+def reopen(fd: int, flags: int) -> int:
+    """A new open file description of ``fd``'s file with ``flags`` (Linux /proc/self/fd)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
 @dataclasses.dataclass
-class Endpoint:
-    """One open file for one transfer: a buffered fd, maybe an O_DIRECT twin, where to start."""
+class OpenFile:
+    """An open file that transfers read or write: a descriptor, maybe its O_DIRECT twin."""
 
     fd: int
-    path: str
-    start: int
-    direct_fd: int | None = None
-    owned: bool = False
+    path: str  # for messages
+    owned: bool = False  # opened by ckptstream: closed by ``close``
+    _direct_fd: int | None = None
+    _direct_refused: bool = False
+
+    def direct_fd(self, force: bool) -> int | None:
+        """The file reopened with O_DIRECT and the same access mode, opened on first use; None
+        where the file system refuses O_DIRECT (tmpfs) and ``force`` is False."""
+        if self._direct_fd is None and not self._direct_refused:
+            self._direct_fd = open_direct(self.fd, self.path, force)
+            self._direct_refused = self._direct_fd is None
+        return self._direct_fd
 
     def close(self) -> None:
-        """Close the O_DIRECT twin, and the fd itself if this endpoint opened it."""
-        if self.direct_fd is not None:
-            fd, self.direct_fd = self.direct_fd, None
+        """Close the O_DIRECT twin, and the descriptor itself if ckptstream opened it; safe to
+        call twice."""
+        if self._direct_fd is not None:
+            fd, self._direct_fd = self._direct_fd, None
             os.close(fd)
         if self.owned:
             self.owned = False
             os.close(self.fd)
 
 
-def reopen(fd: int, flags: int) -> int:
-    """A new open file description of ``fd``'s file with ``flags`` (Linux /proc/self/fd)."""
-    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
-
-
 def open_direct(fd: int, path: str, force: bool) -> int | None:
-    """Reopen ``fd`` with O_DIRECT and the same access mode (a read-only fd stays read-only);
-    None where the file system refuses O_DIRECT (tmpfs) and not forced."""
+    """``fd``'s file reopened with O_DIRECT (a read-only fd stays read-only); None where the file
+    system refuses it and not ``force``."""
     direct = getattr(os, "O_DIRECT", 0)
     if not direct:
         if force:
-            raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform", path)
+            raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform (direct_io='on')", path)
         return None
     try:
         return reopen(fd, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE | direct)
     except OSError as e:
         if force:
-            raise os_error(e, "opening with O_DIRECT (direct_io=True)", path) from e
+            raise os_error(e, "opening with O_DIRECT (direct_io='on'; use 'auto' to fall back)", path) from e
         return None
 
 
 @contextlib.contextmanager
-def endpoint(file: FileLike, offset: int | None, writing: bool) -> Iterator[Endpoint]:
-    """Open ``file`` for one transfer starting at ``offset`` (None: the file's current position,
-    or 0 for a path); descriptors opened here are closed on exit. Moving the file's position
-    after a successful transfer is ``advance_position``'s job."""
-    if offset is not None and (not isinstance(offset, int) or offset < 0):
+def opened(file: FileLike, offset: int | None, writing: bool) -> Iterator[tuple[OpenFile, int]]:
+    """``file`` open for one transfer, and where the transfer starts (``offset``, or for None
+    the file's current position, 0 for a path); descriptors opened here are closed on exit.
+    Moving the file's position after a successful transfer is ``advance_position``'s job."""
+    if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0):
         raise ValueError(f"offset must be a non-negative int or None, got {offset!r}")
-    if isinstance(file, (str, os.PathLike)):
+    if isinstance(file, (str, bytes, os.PathLike)):
         path = os.fsdecode(file)
         flags = (os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)) if writing else os.O_RDONLY
         try:
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise os_error(e, "opening for writing" if writing else "opening for reading", path) from e
-        ep = Endpoint(fd, path, offset or 0, owned=True)
+        handle, start = OpenFile(fd, path, owned=True), offset or 0
     elif isinstance(file, int) and not isinstance(file, bool):
-        ep = Endpoint(file, describe_fd(file), offset if offset is not None else os.lseek(file, 0, os.SEEK_CUR))
+        handle = OpenFile(file, fd_path(file))
+        start = offset if offset is not None else os.lseek(file, 0, os.SEEK_CUR)
     elif not isinstance(file, int) and hasattr(file, "fileno"):
         if not getattr(file, "closed", False):
             file.flush()  # the object's own buffered writes must land before we touch the file
         fd = file.fileno()
         name = getattr(file, "name", None)
-        ep = Endpoint(fd, name if isinstance(name, str) else describe_fd(fd), offset if offset is not None else file.tell())
+        handle = OpenFile(fd, name if isinstance(name, str) else fd_path(fd))
+        start = offset if offset is not None else file.tell()
     else:
         raise TypeError(f"file must be a path, an int file descriptor or a binary file object, got {type(file).__name__}")
-    twin, flags = None, fcntl.fcntl(ep.fd, fcntl.F_GETFL)
-    if writing and not ep.owned and flags & os.O_APPEND:
-        # Linux pwrite ignores the offset on an O_APPEND descriptor and appends: write through a
-        # twin without O_APPEND; "the current position" of an appending file is its end
-        if offset is None:
-            ep.start = os.fstat(ep.fd).st_size
-        twin = ep.fd = reopen(ep.fd, flags & os.O_ACCMODE)
+    twin = None
     try:
-        yield ep
+        flags = fcntl.fcntl(handle.fd, fcntl.F_GETFL)
+        if writing and not handle.owned and flags & os.O_APPEND:
+            # Linux pwrite ignores the offset on an O_APPEND descriptor and appends: write through
+            # a twin without O_APPEND; "the current position" of an appending file is its end
+            if offset is None:
+                start = os.fstat(handle.fd).st_size
+            twin = handle.fd = reopen(handle.fd, flags & os.O_ACCMODE)
+        yield handle, start
     finally:
-        ep.close()
+        handle.close()
         if twin is not None:
             os.close(twin)
 
 
 def advance_position(file: FileLike, offset: int | None, new_position: int) -> None:
     """After a successful transfer with ``offset=None``, leave the file's position past the bytes."""
-    if offset is not None or isinstance(file, (str, os.PathLike)):
+    if offset is not None or isinstance(file, (str, bytes, os.PathLike)):
         return
     if isinstance(file, int):
         os.lseek(file, new_position, os.SEEK_SET)
@@ -171,53 +182,3 @@ def fsync(fd: int, path: str) -> None:
         os.fsync(fd)
     except OSError as e:
         raise os_error(e, "fsync", path) from e
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TEMP_MARK = ".ckptstream-tmp-"
-
-
-def temp_path_for(path: str) -> str:
-    """A unique temp name beside ``path``, naming the writer's host and pid so that a later
-    writer can tell a stale one (its writer gone) from a live one."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
-def remove_stale_temps(path: str) -> list[str]:
-    """Delete temp files of ``path`` left by writers on this host that no longer run."""
-    directory, name = os.path.split(path)
-    prefix = f".{name}{TEMP_MARK}{socket.gethostname()}-"
-    removed = []
-    for entry in os.listdir(directory or "."):
-        if not entry.startswith(prefix):
-            continue
-        pid = entry[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, entry))
-                removed.append(entry)
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def publish(temp: str, path: str) -> None:
-    """Atomically replace ``path`` by the fsynced ``temp`` and make the rename durable."""
-    os.replace(temp, path)
-    fsync_dir(os.path.dirname(path))

@@ -14,46 +14,66 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import Checkpoint, open_checkpoint
 from ._errors import StateMismatchError, StateMismatchWarning
-from ._settings import resolve
-from ._structure import Path, make_view, path_str, unflatten, walk
+from ._load import checksum_argument, open
+from ._reader import CheckpointReader, TensorEntry
+from ._settings import INHERIT
+from ._structure import KeyPath, key_str, make_view, walk
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.device, a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.device, b.data_ptr(), b.dtype, b.shape, b.stride())
 
 
-def _match(ck: Checkpoint, targets: dict[Path, torch.Tensor], strict: bool) -> None:
+def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], strict: bool) -> None:
     """Raise one StateMismatchError listing every problem; warn about skipped keys if not strict."""
-    missing = [path_str(p) for p in targets if p not in ck.leaves]
-    unexpected = [path_str(p) for p in ck.leaves if p not in targets]
-    infos = {t.name: t for t in ck.header.tensors}
-    wrong = []
-    for leaf, t in targets.items():
-        if leaf in ck.leaves:
-            file = ck.views.get(leaf) or infos[ck.leaves[leaf]["tensor"]]
-            dtype, shape = file.dtype, file.shape
-            if (t.dtype, tuple(t.shape)) != (dtype, shape):
-                wrong.append(f"{path_str(leaf)}: the file has {dtype} {list(shape)}, the state {t.dtype} {list(t.shape)}")
+    entries = {e.path: e for e in reader.entries()}
+    missing = [key_str(p) for p in targets if p not in entries]
+    unexpected = [key_str(p) for p in entries if p not in targets]
+    wrong = [f"{key_str(p)}: the file has {entries[p].dtype} {list(entries[p].shape)}, the state {t.dtype} "
+             f"{list(t.shape)}" for p, t in targets.items()
+             if p in entries and (t.dtype, tuple(t.shape)) != (entries[p].dtype, entries[p].shape)]
     problems = [f"shape/dtype mismatch: {w}" for w in wrong]
     if strict:
         problems += [f"missing from the file: {m}" for m in missing]
         problems += [f"in the file but not in the state: {u}" for u in unexpected]
     if problems:
         hint = "" if not strict or wrong else " (strict=False loads the keys both sides have)"
-        raise StateMismatchError(f"{ck.path} does not match the state{hint}:\n  " + "\n  ".join(problems))
+        raise StateMismatchError(f"{reader.path} does not match the state{hint}:\n  " + "\n  ".join(problems))
     if missing or unexpected:
         warnings.warn(
-            StateMismatchWarning(f"load_into({ck.path!r}, strict=False) skipped {len(missing)} missing key(s) "
+            StateMismatchWarning(f"load_into({reader.path!r}, strict=False) skipped {len(missing)} missing key(s) "
                                  f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",
                                  missing, unexpected),
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
-def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, verify: bool = True,
-              progress: bool = False, buffer_size: int | None = None, num_buffers: int | None = None) -> Any:
+def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Where each stored tensor streams to, and the copies to make once it is read and verified:
+    the same tensor saved twice, and views of shared storage (read into a temporary)."""
+    dests: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, loaded source)
+    for e in entries:
+        if e.path in targets and e.view is None:
+            target = targets[e.path]
+            if e.stored_as in dests and not _same_memory(dests[e.stored_as], target):
+                copies.append((target, dests[e.stored_as]))
+            dests.setdefault(e.stored_as, target)
+    for e in entries:
+        if e.path in targets and e.view is not None:
+            if e.stored_as not in dests:
+                dests[e.stored_as] = torch.empty(e.end - e.offset, dtype=torch.uint8, device=targets[e.path].device)
+            source = make_view(dests[e.stored_as], e.view)
+            if not _same_memory(source, targets[e.path]):
+                copies.append((targets[e.path], source))
+    return dests, copies
+
+
+def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, checksum: bool = True,
+              progress: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT,
+              num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
 
     Args:
@@ -64,10 +84,12 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             StateMismatchError before anything is written. With False, keys on one side only
             are skipped and listed in a ``StateMismatchWarning`` (with ``.missing`` and
             ``.unexpected``); shape and dtype mismatches still raise.
-        verify: compare every tensor with its stored CRC-32C after reading it (a mismatch
-            raises CorruptCheckpointError; the targets then hold the file's unverified bytes).
+        checksum: compare every tensor with its stored CRC-32C after reading it (``verify`` in
+            0.1.0; a mismatch raises CorruptCheckpointError, see docs/reliability.md for what
+            the targets then hold).
         progress: show a progress bar on stderr.
-        buffer_size, num_buffers: override ``ckptstream.settings`` for this call.
+        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
+            this call.
 
     Returns:
         The file's structure with its non-tensor leaves (step, param_groups, ...) and the
@@ -77,29 +99,16 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         >>> loaded = ckptstream.load_into({"model": model.state_dict(), "step": 0}, "ckpt.safetensors")
         >>> step = loaded["step"]
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers)
+    checksum = checksum_argument(checksum, verify, "load_into")
     targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
-    with open_checkpoint(path) as ck:
-        _match(ck, targets, strict)
-        dests: dict[str, torch.Tensor] = {}
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, loaded source) after the read
-        for leaf, node in ck.leaves.items():
-            if leaf in targets and leaf not in ck.views:
-                name = node["tensor"]
-                if name in dests and not _same_memory(dests[name], targets[leaf]):
-                    copies.append((targets[leaf], dests[name]))  # the same tensor saved twice
-                dests.setdefault(name, targets[leaf])
-        sizes = {t.name: t.nbytes for t in ck.header.tensors}
-        for leaf, view in ck.views.items():
-            if leaf in targets and view.base not in dests:
-                dests[view.base] = torch.empty(sizes[view.base], dtype=torch.uint8, device=targets[leaf].device)
-        for leaf, view in ck.views.items():
-            if leaf in targets:
-                source = make_view(dests[view.base], view)
-                if not _same_memory(source, targets[leaf]):
-                    copies.append((targets[leaf], source))
-        ck.read(dests, cfg, verify, progress)
+    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+              direct_io=direct_io) as reader:
+        _match(reader, targets, strict)
+        dests, copies = _destinations(reader.entries(), targets)
+        # every stored tensor: those without a target are read for their checksums
+        wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
+        reader.stream(wanted, checksum=checksum, progress=progress)
         with torch.no_grad():
             for target, source in copies:
                 target.copy_(source)
-        return unflatten(ck.tree, lambda leaf, node: targets.get(leaf), ck.path)
+        return reader.rebuild(lambda entry: targets.get(entry.path))

@@ -1,37 +1,58 @@
-"""Runtime options: one frozen Settings object, scoped overrides, environment fallback."""
+"""Runtime options: one frozen Settings object, scoped overrides, the environment as a fallback.
+
+The ``CKPTSTREAM_*`` environment variables are read at the first transfer, not at import: a bad
+value gives a clear error there and never breaks ``import ckptstream``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import enum
+import functools
 import os
 from collections.abc import Iterator
-from typing import Any
-
-from ._fileio import ALIGN
+from typing import Any, Final
 
 MiB = 1 << 20
+ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+class DirectIO(str, enum.Enum):
+    """Whether transfers use O_DIRECT (bypassing the page cache)."""
+
+    AUTO = "auto"  # O_DIRECT for writes where the file system and alignment allow; reads keep the cache
+    ON = "on"  # always; an error where the file system refuses it
+    OFF = "off"  # never
+
+    @classmethod
+    def parse(cls, value: object) -> DirectIO:
+        """A DirectIO from itself, its name, or the 0.1.0 spellings True / False / None (auto)."""
+        table = {None: cls.AUTO, True: cls.ON, False: cls.OFF}
+        if isinstance(value, bool) or value is None:
+            return table[value]
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return cls(value.lower())
+        raise ValueError(f"direct_io must be 'auto', 'on' or 'off' (or True / False), got {value!r}")
 
 
-def _env_direct_io(default: bool | None) -> bool | None:
-    raw = os.environ.get("CKPTSTREAM_DIRECT_IO")
-    if raw is None:
-        return default
-    table = {"auto": None, "1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
-    if raw.lower() not in table:
-        raise ValueError(f"CKPTSTREAM_DIRECT_IO={raw!r}: expected one of {sorted(table)}")
-    return table[raw.lower()]
+class _Inherit:
+    """The default of every per-call option: take the value from the settings in force."""
+
+    _instance: _Inherit | None = None
+
+    def __new__(cls) -> _Inherit:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "INHERIT"
+
+
+INHERIT: Final = _Inherit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,48 +63,63 @@ class Settings:
         buffer_size: bytes per staging buffer (pinned on a GPU machine).
         num_buffers: staging buffers in flight; host memory is about num_buffers x buffer_size.
         io_threads: threads doing file I/O (and checksums) per transfer.
-        direct_io: True forces O_DIRECT (error where the file system refuses it; buffer_size must
-            be a multiple of 4096), False forces buffered I/O, None uses O_DIRECT for writes where
-            the file system and alignment allow (reads keep the page cache).
+        direct_io: "auto" uses O_DIRECT for writes where the file system and alignment allow
+            (reads keep the page cache), "on" forces it (an error where the file system
+            refuses it; buffer_size must be a multiple of 4096), "off" never uses it.
     """
 
-    # Defaults chosen from the sweep in docs/benchmarks.md (H200 machine, ext4).
+    # Defaults from the staging sweep (docs/benchmarks.md).
     buffer_size: int = 16 * MiB
     num_buffers: int = 8
     io_threads: int = 8
-    direct_io: bool | None = None
+    direct_io: DirectIO = DirectIO.AUTO
 
     def __post_init__(self) -> None:
         for name in ("buffer_size", "num_buffers", "io_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.direct_io not in (None, True, False):
-            raise ValueError(f"direct_io must be True, False or None, got {self.direct_io!r}")
-        if self.direct_io and self.buffer_size % ALIGN:
+        object.__setattr__(self, "direct_io", DirectIO.parse(self.direct_io))
+        if self.direct_io is DirectIO.ON and self.buffer_size % ALIGN:
             # checked here, before a transfer opens (and maybe truncates) its file
-            raise ValueError(f"direct_io=True needs buffer_size to be a multiple of {ALIGN}, "
-                             f"got {self.buffer_size}")
+            raise ValueError(f"direct_io='on' needs buffer_size to be a multiple of {ALIGN}, got {self.buffer_size}")
+
+
+_ENVIRONMENT = {
+    "buffer_size": "CKPTSTREAM_BUFFER_SIZE",
+    "num_buffers": "CKPTSTREAM_NUM_BUFFERS",
+    "io_threads": "CKPTSTREAM_IO_THREADS",
+    "direct_io": "CKPTSTREAM_DIRECT_IO",
+}
 
 
 def _from_environment() -> Settings:
-    base = Settings()
-    return Settings(
-        buffer_size=_env_int("CKPTSTREAM_BUFFER_SIZE", base.buffer_size),
-        num_buffers=_env_int("CKPTSTREAM_NUM_BUFFERS", base.num_buffers),
-        io_threads=_env_int("CKPTSTREAM_IO_THREADS", base.io_threads),
-        direct_io=_env_direct_io(base.direct_io),
-    )
+    return _parse_environment(tuple(os.environ.get(v) for v in _ENVIRONMENT.values()))
 
 
-_current: contextvars.ContextVar[Settings] = contextvars.ContextVar(
-    "ckptstream_settings", default=_from_environment()  # noqa: B039 (Settings is frozen)
-)
+@functools.lru_cache(maxsize=4)  # parsed once per distinct environment
+def _parse_environment(values: tuple[str | None, ...]) -> Settings:
+    """The defaults with the ``CKPTSTREAM_*`` variables that are set."""
+    given: dict[str, Any] = {}
+    for (field, variable), raw in zip(_ENVIRONMENT.items(), values, strict=True):
+        if raw is None:
+            continue
+        try:
+            given[field] = raw if field == "direct_io" else int(raw)
+            Settings(**{field: given[field]})
+        except ValueError as e:
+            expected = "'auto', 'on' or 'off'" if field == "direct_io" else "an integer >= 1"
+            raise ValueError(f"environment variable {variable}={raw!r} is invalid: expected {expected}; "
+                             f"fix or unset it") from e
+    return Settings(**given)
+
+
+_current: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("ckptstream_settings", default=None)
 
 
 def current_settings() -> Settings:
-    """The settings in force in this thread / context."""
-    return _current.get()
+    """The settings in force in this thread / context (the environment's, unless overridden)."""
+    return _current.get() or _from_environment()
 
 
 @contextlib.contextmanager
@@ -94,17 +130,23 @@ def settings(**overrides: Any) -> Iterator[Settings]:
         >>> with ckptstream.settings(buffer_size=64 << 20, num_buffers=2):
         ...     ckptstream.device_to_file(tensor, "t.bin")
     """
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(Settings)}
+    known = [f.name for f in dataclasses.fields(Settings)]
+    unknown = set(overrides) - set(known)
     if unknown:
-        raise TypeError(f"unknown setting(s) {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(Settings)]}")
-    token = _current.set(dataclasses.replace(_current.get(), **overrides))
+        raise TypeError(f"unknown setting(s) {sorted(unknown)}; known: {known}")
+    token = _current.set(dataclasses.replace(current_settings(), **overrides))
     try:
-        yield _current.get()
+        yield current_settings()
     finally:
         _current.reset(token)
 
 
-def resolve(**per_call: Any) -> Settings:
-    """Settings for one call: the scoped defaults with the call's non-None arguments."""
-    given = {k: v for k, v in per_call.items() if v is not None}
-    return dataclasses.replace(_current.get(), **given) if given else _current.get()
+def resolve(*, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
+            direct_io: Any = INHERIT) -> Settings:
+    """Settings for one call: those in force, with the call's arguments that are not INHERIT
+    (None too, as 0.1.0 spelled "inherit")."""
+    given = {name: value for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers),
+                                             ("io_threads", io_threads), ("direct_io", direct_io))
+             if value is not INHERIT and value is not None}
+    base = current_settings()
+    return dataclasses.replace(base, **given) if given else base

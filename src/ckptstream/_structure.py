@@ -20,26 +20,26 @@ from typing import Any
 
 import torch
 
+from ._engine import streamable
 from ._errors import CorruptCheckpointError, UnsupportedTypeError
-from ._format import DTYPE_NAMES, DTYPES, element_count
-from ._layout import streamable
+from ._header import DTYPE_NAMES, DTYPES, element_count, parse_json
 
 Key = str | int
-Path = tuple[Key, ...]
+KeyPath = tuple[Key, ...]
 _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
 
 
-def path_str(path: Path) -> str:
+def key_str(path: KeyPath) -> str:
     return ".".join(str(k) for k in path) if path else "<root>"
 
 
-def walk(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every leaf with its key path; raises UnsupportedTypeError on anything not storable."""
     kind = _CONTAINERS.get(type(state))
     if kind in ("dict", "odict"):
         for key, value in state.items():
             if type(key) not in (str, int):
-                raise UnsupportedTypeError(f"{path_str(path)}: dict key {key!r} is a {type(key).__name__}; "
+                raise UnsupportedTypeError(f"{key_str(path)}: dict key {key!r} is a {type(key).__name__}; "
                                            "only str and int keys can be stored")  # fmt: skip
             yield from walk(value, (*path, key))
     elif kind:
@@ -48,25 +48,25 @@ def walk(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     elif state is None or type(state) in (bool, int, float, str):
         yield path, state
     elif isinstance(state, torch.Tensor):
-        _check_tensor(path, state)
+        _check_leaf_tensor(path, state)
         yield path, state
     else:
         raise UnsupportedTypeError(
-            f"{path_str(path)}: cannot store a {type(state).__module__}.{type(state).__qualname__}; a state may hold "
+            f"{key_str(path)}: cannot store a {type(state).__module__}.{type(state).__qualname__}; a state may hold "
             "dict, OrderedDict, list, tuple, torch.Tensor, None, bool, int, float and str (convert it first, "
             "e.g. int(x) for a numpy integer)"
         )
 
 
-def _check_tensor(path: Path, t: torch.Tensor) -> None:
+def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise UnsupportedTypeError(f"{path_str(path)}: tensor subclass {type(t).__name__} is not supported; "
+        raise UnsupportedTypeError(f"{key_str(path)}: tensor subclass {type(t).__name__} is not supported; "
                                    "pass a plain tensor (e.g. .to_local() or .detach())")  # fmt: skip
     if not streamable(t):
-        raise UnsupportedTypeError(f"{path_str(path)}: a {t.layout} tensor on {t.device} cannot be stored; "
+        raise UnsupportedTypeError(f"{key_str(path)}: a {t.layout} tensor on {t.device} cannot be stored; "
                                    "only dense CPU and CUDA tensors")  # fmt: skip
     if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedTypeError(f"{path_str(path)}: dtype {t.dtype} has no safetensors name; "
+        raise UnsupportedTypeError(f"{key_str(path)}: dtype {t.dtype} has no safetensors name; "
                                    f"supported: {sorted(str(d) for d in DTYPE_NAMES)}")  # fmt: skip
 
 
@@ -76,11 +76,11 @@ class Record:
 
     name: str
     tensor: torch.Tensor
-    paths: list[Path]  # leaves stored as this tensor (more than one: the same tensor repeated)
+    paths: list[KeyPath]  # leaves stored as this tensor (more than one: the same tensor repeated)
 
 
 @dataclasses.dataclass
-class Flat:
+class FlatState:
     tree: Any  # JSON-able
     records: list[Record]
 
@@ -97,7 +97,7 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def flatten(state: Any) -> Flat:
+def flatten(state: Any) -> FlatState:
     """Split ``state`` into the tensor table and the JSON tree (raises before any I/O)."""
     leaves, resolved = [], {}
     for path, value in walk(state):
@@ -110,14 +110,14 @@ def flatten(state: Any) -> Flat:
         leaves.append((path, value))
     names: dict[str, int] = {"__metadata__": 0}  # the header's own key is not a tensor name
     records: list[Record] = []
-    by_storage: dict[tuple[torch.device, int], list[tuple[Path, torch.Tensor]]] = {}
+    by_storage: dict[tuple[torch.device, int], list[tuple[KeyPath, torch.Tensor]]] = {}
     for path, value in leaves:
         if isinstance(value, torch.Tensor) and value.numel():
             by_storage.setdefault((value.device, value.untyped_storage().data_ptr()), []).append((path, value))
-    node_of: dict[Path, Any] = {}
+    node_of: dict[KeyPath, Any] = {}
 
-    def add_record(path: Path, t: torch.Tensor, suffix: str = "") -> Record:
-        base = path_str(path) + suffix if path else "tensor"
+    def add_record(path: KeyPath, t: torch.Tensor, suffix: str = "") -> Record:
+        base = key_str(path) + suffix if path else "tensor"
         name, n = base, names.get(base, 0)
         while name in names:  # keys like "a.b" and ("a", "b") would collide
             n += 1
@@ -134,13 +134,13 @@ def flatten(state: Any) -> Flat:
     for path, value in leaves:
         if isinstance(value, torch.Tensor) and path not in node_of:
             node_of[path] = {"tensor": add_record(path, value).name}
-    return Flat(_encode(state, (), node_of), records)
+    return FlatState(_encode(state, (), node_of), records)
 
 
-def _overlapping(group: list[tuple[Path, torch.Tensor]]) -> list[list[tuple[Path, torch.Tensor]]]:
+def _overlapping(group: list[tuple[KeyPath, torch.Tensor]]) -> list[list[tuple[KeyPath, torch.Tensor]]]:
     """Leaves of one storage, in components whose byte ranges overlap (sorted sweep)."""
     items = sorted(group, key=lambda pt: _extent(pt[1]))
-    components: list[list[tuple[Path, torch.Tensor]]] = []
+    components: list[list[tuple[KeyPath, torch.Tensor]]] = []
     end = -1
     for path, t in items:
         lo, hi = _extent(t)
@@ -151,10 +151,10 @@ def _overlapping(group: list[tuple[Path, torch.Tensor]]) -> list[list[tuple[Path
     return [c for c in components if len(c) > 1]
 
 
-def _share(component: list[tuple[Path, torch.Tensor]], add_record: Callable[..., Record],
-           node_of: dict[Path, Any]) -> None:
+def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[..., Record],
+           node_of: dict[KeyPath, Any]) -> None:
     """Store overlapping leaves once: identical ones as one record, others as views of a base."""
-    distinct: dict[tuple[Any, ...], list[tuple[Path, torch.Tensor]]] = {}
+    distinct: dict[tuple[Any, ...], list[tuple[KeyPath, torch.Tensor]]] = {}
     for path, t in component:
         distinct.setdefault(_signature(t), []).append((path, t))
     if len(distinct) == 1:  # the same tensor (or an identical view) repeated
@@ -175,7 +175,7 @@ def _share(component: list[tuple[Path, torch.Tensor]], add_record: Callable[...,
         node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), start]}
 
 
-def _encode(value: Any, path: Path, node_of: dict[Path, Any]) -> Any:
+def _encode(value: Any, path: KeyPath, node_of: dict[KeyPath, Any]) -> Any:
     kind = _CONTAINERS.get(type(value))
     if kind in ("dict", "odict"):
         return {kind: [[k, _encode(v, (*path, k), node_of)] for k, v in value.items()]}
@@ -188,47 +188,84 @@ def _encode(value: Any, path: Path, node_of: dict[Path, Any]) -> Any:
     return value
 
 
-Resolve = Callable[[Path, dict[str, Any]], Any]
+TensorLeaf = Callable[[KeyPath, dict[str, Any]], Any]
 
 
-def unflatten(tree: Any, resolve: Resolve, where: str, path: Path = ()) -> Any:
-    """Rebuild a state from its JSON tree; ``resolve(path, node)`` gives each tensor leaf."""
+def unflatten(tree: Any, tensor_leaf: TensorLeaf, where: str, path: KeyPath = ()) -> Any:
+    """Rebuild a state from its JSON tree; ``tensor_leaf(path, node)`` gives each tensor leaf."""
     if isinstance(tree, dict):
         if len(tree) != 1:
-            raise CorruptCheckpointError(f"{where}: structure node at {path_str(path)} has keys {sorted(tree)}")
+            raise CorruptCheckpointError(f"{where}: structure node at {key_str(path)} has keys {sorted(tree)}")
         (tag, body), = tree.items()  # fmt: skip
         if tag in ("dict", "odict") and isinstance(body, list):
             pairs = []
             for item in body:
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
-                    raise CorruptCheckpointError(f"{where}: bad dict entry at {path_str(path)}")
-                pairs.append((item[0], unflatten(item[1], resolve, where, (*path, item[0]))))
+                    raise CorruptCheckpointError(f"{where}: bad dict entry at {key_str(path)}")
+                pairs.append((item[0], unflatten(item[1], tensor_leaf, where, (*path, item[0]))))
             mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
             if len(mapping) != len(pairs):
-                raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {path_str(path)}")
+                raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {key_str(path)}")
             return mapping
         if tag in ("list", "tuple") and isinstance(body, list):
-            items = [unflatten(v, resolve, where, (*path, i)) for i, v in enumerate(body)]
+            items = [unflatten(v, tensor_leaf, where, (*path, i)) for i, v in enumerate(body)]
             return items if tag == "list" else tuple(items)
         if tag in ("tensor", "view"):
-            return resolve(path, tree)
+            return tensor_leaf(path, tree)
         if tag == "float" and body in ("nan", "inf", "-inf"):
             return float(body)
-        raise CorruptCheckpointError(f"{where}: unknown structure node {tag!r} at {path_str(path)}")
+        raise CorruptCheckpointError(f"{where}: unknown structure node {tag!r} at {key_str(path)}")
     if tree is None or type(tree) in (bool, int, float, str):
         return tree
-    raise CorruptCheckpointError(f"{where}: unexpected {type(tree).__name__} in the structure at {path_str(path)}")
+    raise CorruptCheckpointError(f"{where}: unexpected {type(tree).__name__} in the structure at {key_str(path)}")
 
 
-def tensor_leaves(tree: Any, where: str) -> dict[Path, dict[str, Any]]:
-    """The tensor nodes of a tree by path (the tree is validated on the way)."""
-    found: dict[Path, dict[str, Any]] = {}
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """A checkpoint's state as stored: its JSON tree, and each tensor leaf by key path, stored
+    either as a tensor of the table (by name) or as a view into one's bytes."""
 
-    def collect(path: Path, node: dict[str, Any]) -> None:
-        found[path] = node
+    tree: Any
+    paths: list[KeyPath]  # every tensor leaf, in the state's order
+    tensors: dict[KeyPath, str]  # leaf -> tensor name, for leaves stored as a whole tensor
+    views: dict[KeyPath, View]  # leaf -> view, for leaves stored as views of shared bytes
 
-    unflatten(tree, lambda p, n: collect(p, n), where)
-    return found
+
+def parse_structure(structure: str | None, table: dict[str, int], where: str) -> Structure:
+    """The structure of a checkpoint whose tensor table maps names to byte sizes (``table``, in
+    file order), validated against it; a plain safetensors file (``structure`` None) is a flat
+    dict of its tensors in file order."""
+    if structure is None:
+        tree: Any = {"dict": [[n, {"tensor": n}] for n in table]}
+    else:
+        try:
+            tree = parse_json(structure)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where}: the structure metadata is not valid JSON ({e})") from e
+    nodes: dict[KeyPath, dict[str, Any]] = {}
+
+    def collect(path: KeyPath, node: dict[str, Any]) -> None:
+        nodes[path] = node
+
+    try:
+        unflatten(tree, collect, where)
+    except RecursionError as e:  # Python 3.13 parses JSON nested deeper than its own recursion limit
+        raise CorruptCheckpointError(f"{where}: the structure metadata is nested too deeply") from e
+    tensors, views, used = {}, {}, set()
+    for leaf, node in nodes.items():
+        if "view" in node:
+            views[leaf] = parse_view(node, table, where)
+            used.add(views[leaf].base)
+        elif isinstance(node["tensor"], str) and node["tensor"] in table:
+            tensors[leaf] = node["tensor"]
+            used.add(node["tensor"])
+        else:
+            raise CorruptCheckpointError(f"{where}: {key_str(leaf)} names tensor {node['tensor']!r}, "
+                                         "which is not in the tensor table")  # fmt: skip
+    unused = [n for n in table if n not in used]
+    if unused:
+        raise CorruptCheckpointError(f"{where}: tensors {unused[:5]} are in the table but not in the structure")
+    return Structure(tree, list(nodes), tensors, views)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,44 +7,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
-from ._checkpoint import PREFIX, Checkpoint, open_checkpoint
+from . import _load
 from ._errors import CkptStreamError
-from ._format import DTYPE_NAMES
-from ._structure import path_str
+from ._header import DTYPE_NAMES
+from ._reader import CheckpointReader
 
 
-def _summary(ck: Checkpoint) -> dict[str, Any]:
+def _groups(reader: CheckpointReader) -> dict[str, dict[str, int]]:
     """Tensors and bytes under each top-level key of the state."""
-    nbytes = {t.name: t.nbytes for t in ck.header.tensors}
     groups: dict[str, dict[str, int]] = {}
-    for leaf, node in ck.leaves.items():
-        top = path_str(leaf[:1])
-        group = groups.setdefault(top, {"tensors": 0, "bytes": 0})
+    for e in reader.entries():
+        group = groups.setdefault(str(e.path[0]) if e.path else "<root>", {"tensors": 0, "bytes": 0})
         group["tensors"] += 1
-        view = ck.views.get(leaf)
-        group["bytes"] += view.dtype.itemsize * math.prod(view.shape) if view else nbytes[node["tensor"]]
+        group["bytes"] += e.nbytes
     return groups
 
 
-def describe(path: str) -> dict[str, Any]:
-    with open_checkpoint(path) as ck:
-        meta = ck.header.metadata
+def inspect_report(path: str) -> dict[str, Any]:
+    """What ``ckptstream inspect`` shows, as plain data."""
+    with _load.open(path) as reader:
+        h = reader.header
         return {
             "path": path,
-            "format": "ckptstream " + meta[PREFIX + "format"] if PREFIX + "format" in meta else "safetensors",
-            "tensors": [
-                {"name": t.name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "bytes": t.nbytes}
-                for t in ck.header.tensors
-            ],
-            "data_bytes": sum(t.nbytes for t in ck.header.tensors),
-            "data_offset": ck.header.data_start,
-            "checksums": "crc32c" if ck.crcs is not None else None,
-            "metadata": {k: v for k, v in meta.items() if not k.startswith(PREFIX)},
-            "structure": _summary(ck),
+            "format": reader.format,
+            "tensors": [{"name": t.name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "bytes": t.nbytes}
+                        for t in h.tensors],
+            "data_bytes": h.data_bytes,
+            "data_offset": h.data_start,
+            "checksums": "crc32c" if reader.checksummed else None,
+            "metadata": reader.metadata,
+            "structure": _groups(reader),
         }
 
 
@@ -93,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         return bench.run(args)
     try:
         if args.command == "inspect":
-            d = describe(args.path)
+            d = inspect_report(args.path)
             if args.json:
                 print(json.dumps(d, indent=2, ensure_ascii=False))
             else:
                 _print_description(d)
         else:
-            from ._checkpoint import verify
-
-            verify(args.path)
+            _load.verify(args.path)
             print(f"{args.path}: OK")
         return 0
     except CkptStreamError as e:

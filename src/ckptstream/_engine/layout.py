@@ -13,10 +13,32 @@ from collections.abc import Iterator
 
 import torch
 
+from .._errors import UnsupportedTypeError
+
 
 def streamable(t: torch.Tensor) -> bool:
     """Whether the engine can move ``t``'s bytes: a dense (strided) CPU or CUDA tensor."""
     return t.layout == torch.strided and t.device.type in ("cpu", "cuda") and not t.is_quantized
+
+
+def check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
+    """``t`` if the engine can move it (and, ``writable``, read into it); raises otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not streamable(t):
+        what = "quantized" if t.is_quantized else f"{t.layout}"
+        raise UnsupportedTypeError(f"{name} is a {what} tensor on {t.device}; "
+                                   "only dense (strided) CPU and CUDA tensors can be streamed")
+    if t.is_conj() or t.is_neg():
+        # a lazy conjugate/negative view: its memory holds other values than it shows
+        raise UnsupportedTypeError(f"{name} is a lazy conjugate or negative view; "
+                                   f"pass {name}.resolve_conj().resolve_neg() (a copy) instead")
+    if writable and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is an expanded view whose elements share "
+            "memory, so it cannot hold distinct values; read into a tensor that owns its elements"
+        )
+    return t
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

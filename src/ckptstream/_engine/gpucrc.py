@@ -2,15 +2,14 @@
 
 A hot load is bound by host memory traffic: the page cache is read, the staging buffer written,
 then read by the device copy. Checksumming the staging buffer on the host reads it once more,
-which cost hot loads 4-26% on the H200 machine, however fast the CRC code (see
-docs/benchmarks.md). The GPU reads device memory at terabytes a second and idles during a load,
-so a load into CUDA tensors checksums the large contiguous ones there, once all copies are
-queued: one launch per device for all of them, on the copies' stream. Small tensors stay on the
-host, as does everything where the kernel cannot be built or its self-test fails.
+however fast the CRC code. The GPU reads device memory far faster and idles during a load, so a
+load into CUDA tensors checksums the large contiguous ones there, once all copies are queued:
+one launch per device for all of them, on the copies' stream. Small tensors stay on the host,
+as does everything where the kernel cannot be built or its self-test fails.
 
 The kernel is CUDA C, compiled for the device on first use by NVRTC, the runtime compiler that
-CUDA builds of torch ship with (a tenth of a second; no CUDA toolkit needed), and launched
-through torch's loader for such kernels.
+CUDA builds of torch ship with (no CUDA toolkit needed), and launched through torch's loader
+for such kernels.
 
 Each thread block takes BLOCK bytes of one tensor (a tensor is padded with zeros in front to
 whole blocks: leading zeros leave a CRC register of 0 unchanged). Its LANES threads read the
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import _checksum
+from .. import _checksum
 
 GPU_FROM = 1 << 20  # tensors from this size are checksummed on the GPU
 LANES, WORDS = 256, 256  # a block: LANES threads x WORDS 32-bit words
@@ -94,14 +93,14 @@ extern "C" __global__ void __launch_bounds__(LANES) crc32c_blocks(
 def _times(constant: int) -> list[int]:
     """Tables that multiply a register by ``constant`` mod P a byte at a time: t[k * 256 + v] is
     byte v of the register, at byte k, times the constant."""
-    return [_checksum._multmodp(v << (8 * k), constant) for k in range(4) for v in range(256)]
+    return [_checksum.multiply(v << (8 * k), constant) for k in range(4) for v in range(256)]
 
 
 def _powers(nbytes: int, count: int) -> list[int]:
     """x^(8 * nbytes * k) mod P for k < count."""
-    step, out = _checksum._x8nmodp(nbytes), [1 << 31]
+    step, out = _checksum.shift(nbytes), [1 << 31]
     while len(out) < count:
-        out.append(_checksum._multmodp(out[-1], step))
+        out.append(_checksum.multiply(out[-1], step))
     return out
 
 
@@ -109,7 +108,7 @@ def _constants() -> list[int]:
     """Tables times x^(32 * LANES); x^(32 * (LANES - lane)) per thread; x^(8 * BLOCK * k) and
     x^(8 * BLOCK * _SHIFTS * k) for k < _SHIFTS."""
     lanes = _powers(4, LANES + 1)[:0:-1]
-    return (_times(_checksum._x8nmodp(4 * LANES)) + lanes
+    return (_times(_checksum.shift(4 * LANES)) + lanes
             + _powers(BLOCK, _SHIFTS) + _powers(BLOCK * _SHIFTS, _SHIFTS))
 
 
@@ -142,7 +141,7 @@ def eligible(t: torch.Tensor) -> bool:
 def finish(register: int, nbytes: int) -> int:
     """The CRC-32C of ``nbytes`` bytes whose register from 0 (no inversions) is ``register``:
     the register is linear in the bytes, so add what the initial all-ones contribute."""
-    return (register & 0xFFFFFFFF) ^ _checksum._multmodp(_checksum._x8nmodp(nbytes), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return (register & 0xFFFFFFFF) ^ _checksum.multiply(_checksum.shift(nbytes), 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 def usable(device: torch.device) -> bool:

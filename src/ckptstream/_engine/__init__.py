@@ -1,0 +1,24 @@
+"""The streaming engine: pieces of tensors <-> byte ranges of one file, through a few staging
+buffers, on I/O threads of its own. ``plan`` cuts pieces into chunks, ``write`` and ``read``
+move them; ``buffers``, ``streams`` and ``layout`` are what they move them with."""
+
+from .buffers import release_staging, staging_bytes
+from .control import TransferCancelled, interrupts_deferred
+from .layout import check_tensor, streamable
+from .plan import Piece
+from .read import ReadEngine
+from .streams import check_stream
+from .write import WriteEngine
+
+__all__ = [
+    "Piece",
+    "ReadEngine",
+    "TransferCancelled",
+    "WriteEngine",
+    "check_stream",
+    "check_tensor",
+    "interrupts_deferred",
+    "release_staging",
+    "staging_bytes",
+    "streamable",
+]

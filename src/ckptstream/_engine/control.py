@@ -1,0 +1,127 @@
+"""The life of a transfer's threads: the first error and the stop flag they share, and Ctrl-C.
+
+A transfer must never leave the caller with its I/O threads still running: such a thread could
+fill a staging buffer already back in the pool, or write to a descriptor that was closed and
+reused for another file. So the engine's own threads are joined on every path, and while a
+transfer runs in the main thread a Ctrl-C only stops it: the KeyboardInterrupt is raised once
+every thread is joined and the staging buffers are back, however many interrupts arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+from .._errors import CkptStreamError
+
+
+class TransferCancelled(CkptStreamError, RuntimeError):
+    """The transfer was stopped (``cancel()`` or Ctrl-C) before it finished."""
+
+
+class Failure:
+    """The first error of a transfer (in file order, where several threads fail) and the flag
+    that stops its threads at their next chunk."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._where = 0
+        self.stopped = False
+
+    def record(self, error: BaseException, where: int = 0) -> None:
+        """Keep ``error`` if it is the first, or earlier in the file than the one kept; stop."""
+        with self._lock:
+            if self.error is None or where < self._where:
+                self.error, self._where = error, where
+            self.stopped = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.stopped:
+            raise TransferCancelled("the transfer was cancelled before it finished")
+
+
+class _InterruptScope:
+    """While installed: SIGINT calls every registered stop and is remembered, not raised."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.stops: list[Callable[[], None]] = []
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.interrupted = True
+        for stop in list(self.stops):
+            stop()
+
+
+_scope: _InterruptScope | None = None
+
+
+@contextlib.contextmanager
+def interrupts_deferred(stop: Callable[[], None] | None = None) -> Iterator[None]:
+    """Inside the block a Ctrl-C calls ``stop`` (and those of enclosing blocks) and is raised as
+    KeyboardInterrupt when the outermost block exits. Only in the main thread while Python's
+    default SIGINT handler is installed; elsewhere the block runs as it is (a handler of the
+    program's own, or SIGINT ignored, stays in charge)."""
+    global _scope
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _scope is not None:  # nested: join the enclosing scope
+        if stop is not None:
+            _scope.stops.append(stop)
+        try:
+            yield
+        finally:
+            if stop is not None:
+                _scope.stops.remove(stop)
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    scope = _InterruptScope()
+    if stop is not None:
+        scope.stops.append(stop)
+    _scope = scope
+    signal.signal(signal.SIGINT, scope.handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _scope = None
+        if scope.interrupted:
+            raise KeyboardInterrupt  # chained to an exception the block raised, if any
+
+
+def join(threads: list[threading.Thread]) -> None:
+    """Join every thread; a KeyboardInterrupt (a program's own SIGINT handler, outside a deferred
+    scope) is held back until all are joined."""
+    pending: BaseException | None = None
+    for thread in threads:
+        while True:
+            try:
+                thread.join()
+                break
+            except KeyboardInterrupt as e:
+                pending = pending or e
+    if pending is not None:
+        raise pending
+
+
+class Stopped(Exception):
+    """Raised in an I/O thread that learns, while it waits, that the transfer stopped."""
+
+
+def raise_if_interrupted() -> None:
+    """Raise TransferCancelled when a Ctrl-C arrived inside the enclosing deferred scope (the
+    scope then raises it as KeyboardInterrupt): a step that must not follow an interrupt, such
+    as publishing a file, goes after this."""
+    if _scope is not None and _scope.interrupted and threading.current_thread() is threading.main_thread():
+        raise TransferCancelled("interrupted")

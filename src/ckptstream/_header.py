@@ -1,0 +1,286 @@
+"""The header codec: the one place that reads and writes a checkpoint's header.
+
+A checkpoint is a safetensors file whose data section starts on a 4096-byte boundary:
+
+    [8 bytes little-endian N][N bytes of JSON, space-padded so that 8 + N is a multiple of 4096][data]
+
+The JSON maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets
+relative to the data section, tensors back to back) and "__metadata__" to str -> str pairs: the
+user's, and ckptstream's own under the ``ckptstream.`` prefix:
+
+    ckptstream.format         "1"
+    ckptstream.structure      the state's structure as JSON (see _structure)
+    ckptstream.crc32c         the CRC-32C of every tensor's bytes, 8 hex digits each, in file order
+    ckptstream.header_crc32c  the CRC-32C of the header bytes as stored, with these 8 digits as "0"s
+
+The checksums are known only once the data is written: ``encode`` reserves them as runs of "0"s
+of fixed width and ``fill`` writes them in place, so the header keeps its length. ``decode``
+validates everything (lengths, JSON, dtypes, shapes against offsets, no holes, the exact file
+length, the ckptstream keys, the header's own CRC) before any tensor is allocated. Pure
+functions over bytes: no file I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import _checksum
+from ._errors import CorruptCheckpointError
+from ._fileio import round_up
+from ._settings import ALIGN
+
+MAX_HEADER = 100_000_000  # the limit safetensors itself applies
+INT64_MAX = 2**63 - 1  # torch's sizes, strides and element counts are int64
+PREFIX = "ckptstream."
+FORMAT_KEY, FORMAT_VERSION = PREFIX + "format", "1"
+STRUCTURE_KEY = PREFIX + "structure"
+CRC_KEY = PREFIX + "crc32c"
+HEADER_CRC_KEY = PREFIX + "header_crc32c"
+_HEX = frozenset("0123456789abcdef")
+
+# safetensors' dtypes in the order its writer lays tensors out (widest first; then by name)
+_NAMES = {
+    "U64": "uint64", "I64": "int64", "F64": "float64", "C64": "complex64",
+    "F32": "float32", "U32": "uint32", "I32": "int32",
+    "BF16": "bfloat16", "F16": "float16", "U16": "uint16", "I16": "int16",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table; ``begin``/``end`` are relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A decoded, validated header."""
+
+    tensors: list[TensorInfo]  # in file order
+    metadata: dict[str, str]  # the user's (without ckptstream's own keys)
+    structure: str | None  # the state's structure as JSON; None for a plain safetensors file
+    crcs: list[int] | None  # stored CRC-32C per tensor in file order, if any
+    data_start: int  # file offset of the data section (the header's length)
+
+    @property
+    def format(self) -> str:
+        return f"ckptstream {FORMAT_VERSION}" if self.structure is not None else "safetensors"
+
+    @property
+    def data_bytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+
+def layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[TensorInfo]:
+    """The tensor table of ``entries`` (name, dtype, shape) in safetensors' writer order (by
+    dtype, widest first, then by name): every tensor starts aligned to its element size, and a
+    flat dict gets the very offsets that ``safetensors.torch.save_file`` gives it."""
+    infos, pos = [], 0
+    for name, dtype, shape in sorted(entries, key=lambda e: (_DTYPE_RANK[e[1]], e[0])):
+        nbytes = math.prod(shape) * dtype.itemsize
+        infos.append(TensorInfo(name, dtype, shape, pos, pos + nbytes))
+        pos += nbytes
+    return infos
+
+
+def check_user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    metadata = dict(metadata or {})
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata must map str to str; got {key!r}: {type(value).__name__}")
+        if key.startswith(PREFIX):
+            raise ValueError(f"metadata key {key!r}: keys starting with {PREFIX!r} are reserved")
+    return metadata
+
+
+def encode(tensors: list[TensorInfo], metadata: Mapping[str, str], structure: str | None, *,
+           checksums: bool) -> bytes:
+    """The 8-byte length and the padded JSON header; with ``checksums``, placeholders that
+    ``fill`` completes. Raises ValueError for a header over safetensors' size limit."""
+    meta = dict(metadata)
+    if structure is not None:
+        meta.update({FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure})
+    if checksums:
+        meta.update({CRC_KEY: "0" * 8 * len(tensors), HEADER_CRC_KEY: "0" * 8})
+    table: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    for t in tensors:
+        table[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    body = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode()
+    size = round_up(8 + len(body), ALIGN) - 8
+    if size > MAX_HEADER:
+        raise ValueError(f"the header would be {size} bytes, over the {MAX_HEADER}-byte limit that safetensors "
+                         "readers apply: keep large data in tensors, not in str/list leaves or metadata")
+    return struct.pack("<Q", size) + body + b" " * (size - len(body))
+
+
+def fill(header: bytes, crcs: list[int]) -> bytes:
+    """``header`` from ``encode(..., checksums=True)`` with the tensors' CRC-32Cs and then its own."""
+    out = bytearray(header)
+    _put(out, CRC_KEY, "".join(f"{c:08x}" for c in crcs))
+    _put(out, HEADER_CRC_KEY, f"{_checksum.crc_of(out):08x}")  # of the bytes with its own "0"s
+    return bytes(out)
+
+
+def _field(header: bytes | bytearray, key: str) -> int:
+    """Offset of the string value of metadata field ``key``, or -1. Only the field itself
+    matches: quotes inside JSON strings are escaped, and tensor entries are objects."""
+    tag = f'"{key}":"'.encode()
+    at = header.find(tag)
+    return at + len(tag) if at >= 0 else -1
+
+
+def _put(header: bytearray, key: str, value: str) -> None:
+    at = _field(header, key)
+    if at < 0 or header[at : at + len(value)] != b"0" * len(value):
+        raise ValueError(f"the header has no placeholder for {key} of {len(value)} digits")
+    header[at : at + len(value)] = value.encode()
+
+
+def data_start(prefix: bytes, file_size: int, path: str) -> int:
+    """The header's length (8 + N) from the file's first 8 bytes, checked against its size."""
+    if file_size < 8 or len(prefix) < 8:
+        raise _corrupt(path, f"file is {file_size} bytes, too short for the 8-byte header length; not a checkpoint")
+    n: int = struct.unpack("<Q", prefix[:8])[0]
+    if n > MAX_HEADER:
+        raise _corrupt(path, f"header length {n} exceeds the {MAX_HEADER}-byte limit; not a checkpoint or corrupt")
+    if 8 + n > file_size:
+        raise _corrupt(path, f"header length {n} runs past the end of the {file_size}-byte file; the file is truncated")
+    return 8 + n
+
+
+def decode(raw: bytes, file_size: int, path: str) -> Header:
+    """Validate the header ``raw`` (all 8 + N bytes) of a file of ``file_size`` bytes."""
+    start = data_start(raw, file_size, path)
+    try:
+        table = parse_json(raw[8:start].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _corrupt(path, f"header is not valid JSON ({e})") from e
+    if not isinstance(table, dict):
+        raise _corrupt(path, f"header must be a JSON object, got {type(table).__name__}")
+    meta = table.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _corrupt(path, "__metadata__ must map strings to strings")
+    tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=lambda t: (t.begin, t.end))
+    pos = 0
+    for t in tensors:
+        if t.begin != pos:
+            gap = "overlaps the previous tensor" if t.begin < pos else f"leaves a hole of {t.begin - pos} bytes"
+            raise _corrupt(path, f"tensor {t.name!r} starts at data offset {t.begin}, expected {pos}: it {gap}")
+        pos = t.end
+    if start + pos != file_size:
+        how = "truncated" if file_size < start + pos else f"followed by {file_size - start - pos} unexpected bytes"
+        raise _corrupt(path, f"header declares data through byte {start + pos}, but the file is {file_size} bytes "
+                             f"long: it is {how}")  # fmt: skip
+    if meta.get(FORMAT_KEY, FORMAT_VERSION) != FORMAT_VERSION:
+        raise _corrupt(path, f"written in ckptstream format {meta[FORMAT_KEY]!r}; this version reads format "
+                             f"{FORMAT_VERSION!r} (a newer ckptstream may read it)")  # fmt: skip
+    crcs = _stored_crcs(meta.get(CRC_KEY), len(tensors), path)
+    if crcs is not None or HEADER_CRC_KEY in meta:
+        _check_header_crc(raw[:start], meta.get(HEADER_CRC_KEY), path)
+    user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
+    return Header(tensors, user, meta.get(STRUCTURE_KEY), crcs, start)
+
+
+def _stored_crcs(text: str | None, count: int, path: str) -> list[int] | None:
+    if text is None:
+        return None
+    if len(text) != 8 * count or not set(text) <= _HEX:
+        raise _corrupt(path, f"{CRC_KEY} must be {8 * count} lowercase hex digits ({count} tensors), "
+                             f"got {text!r:.100}")  # fmt: skip
+    return [int(text[i : i + 8], 16) for i in range(0, len(text), 8)]
+
+
+def _check_header_crc(raw: bytes, stored: str | None, path: str) -> None:
+    """Compare the header with its own CRC-32C, which covers the tensor table, the structure
+    (keys and non-tensor leaves), the metadata and the tensors' checksums: none of them is
+    covered by the tensors' checksums, so without it a damaged header could load as a different
+    state."""
+    if stored is None:
+        raise _corrupt(path, f"the header has tensor checksums but no {HEADER_CRC_KEY}; it is corrupt")
+    at = _field(raw, HEADER_CRC_KEY)
+    if len(stored) != 8 or not set(stored) <= _HEX or at < 0 or raw[at : at + 8] != stored.encode():
+        raise _corrupt(path, f"{HEADER_CRC_KEY} must be 8 lowercase hex digits, got {stored!r:.40}")
+    computed = _checksum.crc_of(raw[:at] + b"0" * 8 + raw[at + 8 :])
+    if computed != int(stored, 16):
+        raise _corrupt(path, f"the header fails its CRC-32C check (stored {stored}, computed {computed:08x}): its "
+                             "tensor table, structure or metadata is corrupt; restore it from another checkpoint "
+                             "or copy")  # fmt: skip
+
+
+def _corrupt(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {what}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    table = dict(pairs)
+    if len(table) != len(pairs):  # linear: a hostile header may hold a million keys
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
+    return table
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def parse_json(text: str | bytes) -> Any:
+    """Strict JSON: no NaN/Infinity constants, no duplicate keys."""
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+
+
+def element_count(shape: list[int] | tuple[int, ...]) -> int | None:
+    """The number of elements of a tensor of ``shape``, or None where torch cannot hold it (its
+    sizes, strides or element count past int64). Stops early, so a hostile shape costs little."""
+    product = 1
+    for d in shape:
+        product *= max(d, 1)  # what torch's contiguous strides multiply
+        if product > INT64_MAX:
+            return None
+    return 0 if 0 in shape else product
+
+
+def _entry(path: str, name: str, raw: Any) -> TensorInfo:
+    where = f"tensor {name!r}"
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+        raise _corrupt(path, f"{where}: expected an object with dtype, shape and data_offsets, got {raw!r:.200}")
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _corrupt(path, f"{where}: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _corrupt(path, f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+        raise _corrupt(path, f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
+    info = TensorInfo(name, DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
+    count = element_count(shape)
+    if count is None:
+        raise _corrupt(path, f"{where}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements or strides)")
+    expected = count * info.dtype.itemsize
+    if expected != info.nbytes:
+        raise _corrupt(path, f"{where}: shape {list(info.shape)} of {dtype} needs {expected} bytes, "
+                             f"but its data_offsets span {info.nbytes}")  # fmt: skip
+    return info

@@ -1,0 +1,362 @@
+"""``ckptstream.open``: a lazy, typed view of a checkpoint file, the center of the loading API.
+
+Opening reads and validates the header once (tensor table, structure, checksums); nothing else
+is read until asked. Each tensor is indexed by its user-facing key path
+("optim.state.0.exp_avg") with its dtype, shape, bytes, checksum and file range; ``read``,
+``read_into`` and ``read_slice`` stream just the bytes they need through the read engine.
+``load``, ``load_into``, ``verify`` and ``ckptstream inspect`` are thin users of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _fileio, _header
+from ._engine import Piece, ReadEngine, check_tensor
+from ._errors import CorruptCheckpointError, StateMismatchError
+from ._header import Header
+from ._progress import progress_bar
+from ._settings import Settings
+from ._slices import normalize_box, slice_pieces
+from ._structure import KeyPath, View, key_str, make_view, parse_structure, unflatten
+
+Device = str | int | torch.device
+Key = str | KeyPath
+_FIRST_READ = 1 << 20  # most headers are shorter: read in one call
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint, as the reader's index describes it.
+
+    ``stored_as`` is its name in the file's tensor table (what safetensors readers see),
+    ``offset``..``end`` the file bytes of that stored tensor and ``checksum`` their CRC-32C
+    (None in files without checksums). A tensor saved as a view of memory it shared with other
+    tensors (not the same tensor repeated) is stored in a blob of that memory: ``view`` then
+    says where in it.
+    """
+
+    key: str
+    path: KeyPath
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stored_as: str
+    offset: int
+    end: int
+    checksum: int | None
+    view: View | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's own bytes (a view may use fewer than its stored blob holds)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def target_device(device: Device) -> torch.device:
+    """``device`` as a loads' destination; raises ValueError where tensors cannot land."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: torch sees no CUDA device (a CPU-only build, or no visible "
+                             "GPU); load to 'cpu' instead")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: ckptstream loads into 'cpu' or 'cuda' tensors")
+    return dev
+
+
+class CheckpointReader:
+    """An open checkpoint (ours or any safetensors file); see ``ckptstream.open``."""
+
+    def __init__(self, path: str | os.PathLike[str], cfg: Settings) -> None:
+        self.path, self._cfg = os.fsdecode(path), cfg
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise _fileio.os_error(e, "opening the checkpoint", self.path) from e
+        self._file = _fileio.OpenFile(fd, self.path, owned=True)
+        try:
+            self.header = self._read_header()
+            table = {t.name: t.nbytes for t in self.header.tensors}
+            self._structure = parse_structure(self.header.structure, table, self.path)
+            self._entries = self._index()
+        except BaseException:
+            self._file.close()
+            raise
+        self._by_key: dict[str, KeyPath | None] = {}  # None: two paths print alike
+        for key_path in self._entries:
+            key = key_str(key_path)
+            self._by_key[key] = None if key in self._by_key else key_path
+
+    def _read_header(self) -> Header:
+        size = os.fstat(self._file.fd).st_size
+        raw = bytearray(min(size, _FIRST_READ))
+        _fileio.pread_into(self._file.fd, memoryview(raw), 0, self.path)
+        start = _header.data_start(bytes(raw[:8]), size, self.path)
+        if start > len(raw):
+            rest = bytearray(start - len(raw))
+            _fileio.pread_into(self._file.fd, memoryview(rest), len(raw), self.path)
+            raw += rest
+        return _header.decode(bytes(raw[:start]), size, self.path)
+
+    def _index(self) -> dict[KeyPath, TensorEntry]:
+        h, s = self.header, self._structure
+        infos = {t.name: t for t in h.tensors}
+        crcs = dict(zip(infos, h.crcs, strict=True)) if h.crcs is not None else {}
+        entries = {}
+        for path in s.paths:
+            view = s.views.get(path)
+            info = infos[view.base if view is not None else s.tensors[path]]
+            dtype, shape = (view.dtype, view.shape) if view is not None else (info.dtype, info.shape)
+            entries[path] = TensorEntry(key_str(path), path, dtype, shape, info.name, h.data_start + info.begin,
+                                        h.data_start + info.end, crcs.get(info.name), view)
+        return entries
+
+    # --- the index ------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The user's metadata (without ckptstream's own keys)."""
+        return dict(self.header.metadata)
+
+    @property
+    def format(self) -> str:
+        """"ckptstream 1" for files written by ckptstream, "safetensors" for others."""
+        return self.header.format
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether the file stores a CRC-32C of every tensor (and of its header)."""
+        return self.header.crcs is not None
+
+    def keys(self) -> list[str]:
+        """The key path of every tensor, in the state's order (``"model.w"``, ``"optim.state.0.step"``)."""
+        return [e.key for e in self._entries.values()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return (isinstance(key, str) and self._by_key.get(key) is not None) or key in self._entries
+
+    def entry(self, key: Key) -> TensorEntry:
+        """The index entry of the tensor at ``key`` (a key path string, or a tuple of keys)."""
+        if isinstance(key, tuple) and key in self._entries:
+            return self._entries[key]
+        if isinstance(key, str) and key in self._by_key:
+            path = self._by_key[key]
+            if path is None:
+                raise KeyError(f"{self.path}: several tensors have the key path {key!r} (keys that contain dots, "
+                               "or an int key and its str twin): pass the path as a tuple of keys")
+            return self._entries[path]
+        raise KeyError(f"{self.path}: no tensor {key!r}; its tensors are {self.keys()[:8]}"
+                       + (" ..." if len(self) > 8 else ""))
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries.values())
+
+    @property
+    def leaves(self) -> dict[str, Any]:
+        """The non-tensor leaves (step, learning rates, RNG seeds, ...) by key path."""
+        found: dict[str, Any] = {}
+        _scalar_leaves(self.skeleton(), (), found)
+        return found
+
+    def skeleton(self) -> Any:
+        """The saved state with every tensor replaced by its TensorEntry (nothing is read)."""
+        return self.rebuild(lambda entry: entry)
+
+    def rebuild(self, tensor_of: Callable[[TensorEntry], Any]) -> Any:
+        """The saved state's containers and non-tensor leaves, with ``tensor_of(entry)`` at each
+        tensor leaf."""
+        return unflatten(self._structure.tree, lambda path, node: tensor_of(self._entries[path]), self.path)
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def read(self, key: Key, *, device: Device = "cpu", checksum: bool = True) -> torch.Tensor:
+        """A new tensor on ``device`` with the tensor at ``key`` (its bytes only are read; a
+        view's blob whole, where checksums are verified)."""
+        e, dev = self.entry(key), target_device(device)
+        if e.view is None:
+            out = torch.empty(e.shape, dtype=e.dtype, device=dev)
+            self.stream({e.stored_as: out}, checksum=checksum)
+            return out
+        blob = torch.empty(e.end - e.offset, dtype=torch.uint8, device=dev)
+        self.stream({e.stored_as: blob}, checksum=checksum)
+        return make_view(blob, e.view)
+
+    def read_into(self, key: Key, tensor: torch.Tensor, *, checksum: bool = True) -> torch.Tensor:
+        """Fill ``tensor`` (same shape and dtype, any device, contiguous or not) in place."""
+        e = self.entry(key)
+        _check_destination(self.path, e, tensor)
+        if e.view is None:
+            self.stream({e.stored_as: tensor}, checksum=checksum)
+        else:
+            with torch.no_grad():
+                tensor.copy_(self.read(key, device=tensor.device, checksum=checksum))
+        return tensor
+
+    def read_slice(self, key: Key, offsets: Sequence[int], lengths: Sequence[int] | None = None, *,
+                   into: torch.Tensor | None = None, device: Device = "cpu") -> torch.Tensor:
+        """The box of the tensor at ``key`` that starts at ``offsets`` (per dimension) and spans
+        ``lengths`` (default: to the end), read into ``into`` (of the box's shape and the
+        tensor's dtype, contiguous or not) or a new tensor on ``device``. Only the bytes of the
+        box are read (a box of rows is one run of the file, of columns one run per row), so
+        checksums, which cover whole tensors, are not verified."""
+        return self.read_slices([(key, offsets, lengths, into if into is not None else device)])[0]
+
+    def read_slices(self, requests: Sequence[tuple[Key, Sequence[int], Sequence[int] | None,
+                                                   torch.Tensor | Device]]) -> list[torch.Tensor]:
+        """Several ``read_slice`` requests ``(key, offsets, lengths, into or device)`` in one
+        pass over the file; returns the destinations."""
+        outs, pieces = [], []
+        for key, offsets, lengths, into in requests:
+            e = self.entry(key)
+            offsets, lengths = normalize_box(e.shape, offsets, lengths, e.key)
+            if isinstance(into, torch.Tensor):
+                _check_destination(self.path, dataclasses.replace(e, shape=tuple(lengths)), into)
+                dst = into
+            else:
+                dst = torch.empty(lengths, dtype=e.dtype, device=target_device(into))
+            if e.view is None:
+                pieces += slice_pieces(dst, e.shape, offsets, e.offset)
+            else:  # a view's elements are not row-major in the file: through the whole view
+                box = self.read(key, device=dst.device, checksum=False)
+                with torch.no_grad():
+                    dst.copy_(box[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
+            outs.append(dst)
+        ReadEngine(self._file, pieces, self._cfg).run()
+        return outs
+
+    def get_slice(self, key: Key) -> TensorSlice:
+        """An object that reads boxes by indexing, as safetensors' ``get_slice``:
+        ``reader.get_slice("w")[2:5, :, 0]``."""
+        return TensorSlice(self, self.entry(key))
+
+    def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False) -> Any:
+        """The whole state (see ``ckptstream.load``)."""
+        dev = target_device(device)
+        tensors = {t.name: torch.empty(t.shape, dtype=t.dtype, device=dev) for t in self.header.tensors}
+        self.stream(tensors, checksum=checksum, progress=progress)
+        views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
+
+        def tensor_of(e: TensorEntry) -> torch.Tensor:
+            if e.view is None:
+                return tensors[e.stored_as]
+            if e.view not in views:
+                views[e.view] = make_view(tensors[e.stored_as], e.view)
+            return views[e.view]
+
+        return self.rebuild(tensor_of)
+
+    def verify(self, *, progress: bool = False) -> None:
+        """Read every tensor's bytes and compare them with their checksums (a file without
+        checksums is checked for its structure only)."""
+        self.stream(dict.fromkeys(t.name for t in self.header.tensors), checksum=True, progress=progress)
+
+    def stream(self, dests: Mapping[str, torch.Tensor | None], *, checksum: bool = True, progress: bool = False,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """Stream stored tensors (by their table names) into ``dests``' tensors; a name mapped
+        to None is read for its checksum only (not read without checksums), names not in
+        ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C."""
+        check = checksum and self.header.crcs is not None
+        start, pieces, names = self.header.data_start, [], []
+        for t in self.header.tensors:
+            if t.name in dests and (dests[t.name] is not None or check):
+                dst = dests[t.name]
+                pieces.append(Piece.unread(t.nbytes, start + t.begin) if dst is None else Piece.of(dst, start + t.begin))
+                names.append(t.name)
+        with progress_bar(progress, sum(p.nbytes for p in pieces), f"load {os.path.basename(self.path)}") as bar:
+            got = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream).run()
+        if check:
+            stored = dict(zip((t.name for t in self.header.tensors), self.header.crcs or (), strict=True))
+            for name, computed in zip(names, got, strict=True):
+                if stored[name] != computed:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: {self._describe(name)} fails its CRC-32C check (stored {stored[name]:08x}, "
+                        f"computed {computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
+
+    def _describe(self, stored_as: str) -> str:
+        """The user-facing keys of a stored tensor, for messages."""
+        keys = [e.key for e in self._entries.values() if e.stored_as == stored_as]
+        return f"tensor {keys[0]!r}" if len(keys) == 1 else f"the shared data of tensors {keys[:5]}"
+
+    # --- life -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the file; safe to call twice."""
+        self._file.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorSlice:
+    """``reader.get_slice(key)``: boxes of one tensor by indexing (ints and slices of step 1)."""
+
+    def __init__(self, reader: CheckpointReader, entry: TensorEntry) -> None:
+        self._reader, self.entry = reader, entry
+
+    def get_shape(self) -> list[int]:
+        return list(self.entry.shape)
+
+    def get_dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        shape = self.entry.shape
+        if len(index) > len(shape):
+            raise IndexError(f"{self.entry.key}: {len(index)} indices for a tensor of {len(shape)} dimensions")
+        offsets, lengths, drop = [], [], []
+        for dim, (i, size) in enumerate(zip(index, shape, strict=False)):
+            if isinstance(i, slice):
+                lo, hi, step = i.indices(size)
+                if step != 1:
+                    raise IndexError(f"{self.entry.key}: only slices of step 1 can be read, got {i}")
+                offsets.append(lo)
+                lengths.append(max(0, hi - lo))
+            elif isinstance(i, int):
+                j = i + size if i < 0 else i
+                if not 0 <= j < size:
+                    raise IndexError(f"{self.entry.key}: index {i} is out of range for dimension {dim} of size {size}")
+                offsets.append(j)
+                lengths.append(1)
+                drop.append(dim)
+            else:
+                raise TypeError(f"{self.entry.key}: index with ints and slices, got {type(i).__name__}")
+        out = self._reader.read_slice(self.entry.path, offsets, lengths + list(shape[len(lengths) :]))
+        for dim in reversed(drop):
+            out = out.squeeze(dim)
+        return out
+
+
+def _check_destination(path: str, e: TensorEntry, t: torch.Tensor) -> None:
+    check_tensor(t, f"the destination of {e.key!r}", writable=True)
+    if (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
+        raise StateMismatchError(f"{path}: {e.key} is {e.dtype} {list(e.shape)} in the file; the destination is "
+                                 f"{t.dtype} {list(t.shape)}")
+
+
+def _scalar_leaves(node: Any, path: KeyPath, found: dict[str, Any]) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _scalar_leaves(v, (*path, k), found)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _scalar_leaves(v, (*path, i), found)
+    elif not isinstance(node, TensorEntry):
+        found[key_str(path)] = node

@@ -1,0 +1,100 @@
+"""save: a whole training state to one safetensors file, atomically.
+
+flatten the state -> tensor table and header (checksums as placeholders) -> a temp file beside
+the target -> the header, then the tensors streamed through the write engine -> the header again
+with the checksums -> fsync -> rename over the target -> fsync the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import _fileio, _header
+from ._engine import Piece, WriteEngine, interrupts_deferred
+from ._engine.control import raise_if_interrupted
+from ._errors import UnsupportedTypeError
+from ._header import TensorInfo
+from ._progress import progress_bar
+from ._publish import atomic_file
+from ._settings import INHERIT, Settings, resolve
+from ._structure import flatten
+
+
+@dataclasses.dataclass
+class CheckpointPlan:
+    """What a save writes: the header (with placeholder checksums) and the tensors, in file order."""
+
+    header: bytes
+    infos: list[TensorInfo]
+    tensors: list[torch.Tensor]
+    checksum: bool
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> CheckpointPlan:
+        """The same file from other tensors of the same dtypes and shapes (a snapshot)."""
+        return dataclasses.replace(self, tensors=tensors)
+
+
+def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bool) -> CheckpointPlan:
+    """Flatten ``state`` and encode its header; raises before any file is touched."""
+    user = _header.check_user_metadata(metadata)
+    try:
+        flat = flatten(state)
+        structure = json.dumps(flat.tree, separators=(",", ":"))
+    except RecursionError as e:
+        raise UnsupportedTypeError("the state is nested too deeply to be stored, or contains itself") from e
+    by_name = {r.name: r.tensor for r in flat.records}
+    infos = _header.layout([(r.name, r.tensor.dtype, tuple(r.tensor.shape)) for r in flat.records])
+    header = _header.encode(infos, user, structure, checksums=checksum)
+    return CheckpointPlan(header, infos, [by_name[i.name] for i in infos], checksum)
+
+
+def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
+                     stream: torch.cuda.Stream | None = None) -> None:
+    """Write ``plan`` to a temp file beside ``path`` and publish it atomically."""
+    with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
+        _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
+        start = len(plan.header)
+        pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
+        with progress_bar(progress, sum(p.nbytes for p in pieces), f"save {os.path.basename(os.fspath(path))}") as bar:
+            crcs = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream).run()
+        if plan.checksum:  # the same length: written over the placeholders
+            _fileio.pwrite_all(file.fd, memoryview(_header.fill(plan.header, crcs)), 0, file.path)
+        raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place
+
+
+def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
+         checksum: bool = True, progress: bool = False, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
+         io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> None:
+    """Save a training state to one safetensors file, atomically.
+
+    Args:
+        state: nested dict / OrderedDict / list / tuple with tensors (any device and dtype),
+            None, bool, int, float and str leaves (``model.state_dict()``,
+            ``optimizer.state_dict()``, step, RNG states, ...). A flat ``{str: Tensor}`` keeps
+            its keys as the tensor names, so safetensors readers see exactly those tensors.
+        path: the file to create or replace. Until the new file is complete and durable the
+            old one stays untouched; a reader sees the old or the new file, never a mix.
+        metadata: extra ``str -> str`` pairs for the header's ``__metadata__``.
+        checksum: store a CRC-32C of every tensor (checked by ``load`` and ``verify``).
+        progress: show a progress bar on stderr.
+        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
+            this call.
+
+    Raises:
+        UnsupportedTypeError: a value that cannot be stored (named by its key path), before
+            any file is created.
+        TypeError, ValueError: metadata that is not ``str -> str`` or uses the reserved
+            ``ckptstream.`` prefix; a header over safetensors' 100 MB limit (before any file).
+        OSError: from the OS (a full disk, a missing directory), with the path.
+
+    Example:
+        >>> ckptstream.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}, "ckpt.safetensors")
+    """
+    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    write_checkpoint(plan_checkpoint(state, metadata, checksum), path, cfg, progress=progress)
