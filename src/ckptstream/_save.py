@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _fileio, _header
-from ._engine import Piece, WriteEngine, interrupts_deferred
+from ._engine import Mark, Piece, WriteEngine, interrupts_deferred
 from ._engine.control import raise_if_interrupted
 from ._errors import UnsupportedTypeError
 from ._header import TensorInfo
@@ -55,14 +55,16 @@ def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bo
 
 
 def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
-                     stream: torch.cuda.Stream | None = None) -> None:
-    """Write ``plan`` to a temp file beside ``path`` and publish it atomically."""
+                     stream: torch.cuda.Stream | None = None, after: Mark | None = None) -> None:
+    """Write ``plan`` to a temp file beside ``path`` and publish it atomically; the copies follow
+    the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine)."""
     with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
         _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
         start = len(plan.header)
         pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
         with progress_bar(progress, sum(p.nbytes for p in pieces), f"save {os.path.basename(os.fspath(path))}") as bar:
-            crcs = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream).run()
+            crcs = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream,
+                               after=after).run()
         if plan.checksum:  # the same length: written over the placeholders
             _fileio.pwrite_all(file.fd, memoryview(_header.fill(plan.header, crcs)), 0, file.path)
         raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place

@@ -7,10 +7,11 @@ from .control import TransferCancelled, interrupts_deferred
 from .layout import check_tensor, streamable
 from .plan import Piece
 from .read import ReadEngine
-from .streams import check_stream
+from .streams import Mark, check_stream, mark
 from .write import WriteEngine
 
 __all__ = [
+    "Mark",
     "Piece",
     "ReadEngine",
     "TransferCancelled",
@@ -18,6 +19,7 @@ __all__ = [
     "check_stream",
     "check_tensor",
     "interrupts_deferred",
+    "mark",
     "release_staging",
     "staging_bytes",
     "streamable",

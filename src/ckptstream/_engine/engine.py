@@ -34,17 +34,18 @@ _ENGINES = itertools.count()
 
 class Engine:
     """Moves ``pieces`` between tensors and ``file`` through staging buffers, on I/O threads of
-    its own. Made in the caller's thread, whose CUDA streams (or ``stream``) it orders its copies
-    with; ``start``, ``wait``, ``cancel`` and ``done`` may then be called from any thread."""
+    its own. Its copies follow the work queued on the CUDA streams of the thread that makes it
+    (or on ``stream``) before it was made, or before ``after = streams.mark(...)`` was taken;
+    ``start``, ``wait``, ``cancel`` and ``done`` may then be called from any thread."""
 
     writing: ClassVar[bool]
 
     def __init__(self, file: OpenFile, pieces: Sequence[Piece], cfg: Settings, *,
-                 stream: torch.cuda.Stream | None = None, checksum: bool = False,
-                 progress: Progress | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, after: streams.Mark | None = None,
+                 checksum: bool = False, progress: Progress | None = None) -> None:
         check_pieces(pieces, writing=self.writing)
         self.file, self.pieces, self.cfg, self.checksum = file, pieces, cfg, checksum
-        self.streams = streams.make((p.tensor for p in pieces if p.tensor is not None), stream)
+        self.streams = streams.make((p.tensor for p in pieces if p.tensor is not None), stream, after)
         direct = cfg.direct_io is DirectIO.ON or (
             cfg.direct_io is DirectIO.AUTO and self.writing and cfg.buffer_size % ALIGN == 0)
         self.direct_fd = file.direct_fd(force=cfg.direct_io is DirectIO.ON) if direct else None

@@ -1,8 +1,8 @@
 """How one transfer orders its copies between the staging buffers and device memory.
 
-A ``Streams`` is made in the caller's thread: it marks the point of each CUDA device's stream
-(the current one, or the one given) that the transfer's copies must follow. The engine then,
-from any thread:
+A ``Streams`` marks the point of each CUDA device's stream (the current one, or the one given)
+that the transfer's copies must follow: where it is made, in the caller's thread, or earlier
+through ``mark``. The engine then, from any thread:
 - ``begin()``: a side stream per device waits for that point (a save copies what the kernels
   queued before it produce; a load does not overwrite memory they still read);
 - ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams;
@@ -30,18 +30,35 @@ def check_stream(stream: object) -> None:
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
 
 
+Mark = dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]]
+
+
+def mark(tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None = None) -> Mark:
+    """The point that copies of ``tensors`` must follow: per CUDA device, its current stream (or
+    ``stream``) and an event recorded on it now. An engine made later, or in another thread,
+    takes it as ``after=`` (a background save orders its copies with the caller's work at the
+    moment of the call, not with work queued since)."""
+    check_stream(stream)
+    out: Mark = {}
+    for device in dict.fromkeys(t.device for t in tensors if t.is_cuda):
+        caller = stream if stream is not None and stream.device == device else torch.cuda.current_stream(device)
+        out[device] = caller, caller.record_event()
+    return out
+
+
 class Streams:
-    def __init__(self, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
-        check_stream(stream)
-        devices = list(dict.fromkeys(t.device for t in tensors if t.is_cuda))
-        self.pinned = bool(devices)  # staging buffers must be page-locked for async copies
-        self._caller: dict[torch.device, torch.cuda.Stream] = {}
-        self._ready: dict[torch.device, torch.cuda.Event] = {}
+    def __init__(self, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None,
+                 after: Mark | None = None) -> None:
+        tensors = list(tensors)
+        if after is None:
+            after = mark(tensors, stream)
+        missing = {t.device for t in tensors if t.is_cuda} - set(after)
+        if missing:
+            raise ValueError(f"the ordering mark has no point for device(s) {sorted(map(str, missing))}")
+        self.pinned = bool(after)  # staging buffers must be page-locked for async copies
+        self._caller = {device: caller for device, (caller, _) in after.items()}
+        self._ready = {device: ready for device, (_, ready) in after.items()}
         self._side: dict[torch.device, torch.cuda.Stream] = {}
-        for device in devices:
-            caller = stream if stream is not None and stream.device == device else torch.cuda.current_stream(device)
-            self._caller[device] = caller
-            self._ready[device] = caller.record_event()
 
     def device_of(self, t: torch.Tensor) -> torch.device | None:
         """The device whose copies of ``t`` a staging buffer must wait for; None: host memory."""
