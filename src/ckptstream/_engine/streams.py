@@ -8,17 +8,20 @@ through ``mark``. The engine then, from any thread:
 - ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams;
 - ``record(devices)``: events marking a chunk's copies, which the I/O thread waits for before
   it writes the staging buffer to the file, or refills it from the file;
-- ``checksums(device, tensors)``: CRC-32Cs computed on the device, queued after the copies;
+- ``checksums(tensors)`` inside ``copying()``: CRC-32Cs computed on the device, queued after
+  the copies;
 - ``hand_back()`` (loads): the caller's streams wait for the copies, so work queued after the
   load sees the data; ``synchronize()``: nothing is in flight any more.
-For host-only transfers every step is immediate. Tests replace ``make`` with a double whose
-copies run late, so that a missing wait shows on a machine without a GPU.
+For host-only transfers every step is immediate. The CUDA primitives come from ``DEVICES``,
+which tests replace by a simulator whose copies run only when something waits for them, so that
+a missing wait shows on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -30,19 +33,56 @@ def check_stream(stream: object) -> None:
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
 
 
-Mark = dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]]
+class CudaDevices:
+    """The CUDA primitives that ``Streams`` orders copies with."""
+
+    pins_staging = True  # asynchronous copies need page-locked staging buffers
+
+    def device_of(self, t: torch.Tensor) -> torch.device | None:
+        """The device whose copies of ``t`` a staging buffer must wait for; None: host memory."""
+        return t.device if t.is_cuda else None
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)  # from torch's stream pool: cheap
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` current in this thread (copies to or from a tensor of its device go to it)."""
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event(blocking=True)  # I/O threads sleep on it instead of spinning a core
+
+    def run(self, copy: Callable[[], None]) -> None:
+        """Enqueue ``copy``'s device work on the current streams."""
+        copy()
+
+    def checksums_on_device(self, flat: torch.Tensor) -> bool:
+        return flat.is_cuda and gpucrc.eligible(flat) and gpucrc.usable(flat.device)
+
+    def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
+        """CRC-32Cs of contiguous byte tensors of one device, computed on the current stream."""
+        return gpucrc.crcs(tensors)
+
+
+DEVICES = CudaDevices()
+Mark = dict[torch.device, tuple[Any, Any]]  # device -> (its caller's stream, an event recorded on it)
 
 
 def mark(tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None = None) -> Mark:
-    """The point that copies of ``tensors`` must follow: per CUDA device, its current stream (or
+    """The point that copies of ``tensors`` must follow: per device, its current stream (or
     ``stream``) and an event recorded on it now. An engine made later, or in another thread,
     takes it as ``after=`` (a background save orders its copies with the caller's work at the
     moment of the call, not with work queued since)."""
     check_stream(stream)
     out: Mark = {}
-    for device in dict.fromkeys(t.device for t in tensors if t.is_cuda):
-        caller = stream if stream is not None and stream.device == device else torch.cuda.current_stream(device)
-        out[device] = caller, caller.record_event()
+    for t in tensors:
+        device = DEVICES.device_of(t)
+        if device is not None and device not in out:
+            caller = stream if stream is not None and stream.device == device else DEVICES.current_stream(device)
+            out[device] = caller, caller.record_event()
     return out
 
 
@@ -52,41 +92,39 @@ class Streams:
         tensors = list(tensors)
         if after is None:
             after = mark(tensors, stream)
-        missing = {t.device for t in tensors if t.is_cuda} - set(after)
+        missing = {DEVICES.device_of(t) for t in tensors} - set(after) - {None}
         if missing:
             raise ValueError(f"the ordering mark has no point for device(s) {sorted(map(str, missing))}")
-        self.pinned = bool(after)  # staging buffers must be page-locked for async copies
+        self.pinned = bool(after) and DEVICES.pins_staging
         self._caller = {device: caller for device, (caller, _) in after.items()}
         self._ready = {device: ready for device, (_, ready) in after.items()}
-        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self._side: dict[torch.device, Any] = {}
 
     def device_of(self, t: torch.Tensor) -> torch.device | None:
-        """The device whose copies of ``t`` a staging buffer must wait for; None: host memory."""
-        return t.device if t.is_cuda else None
+        return DEVICES.device_of(t)
 
     def begin(self) -> None:
         for device, ready in self._ready.items():
-            side = torch.cuda.Stream(device=device)  # from torch's stream pool: cheap
+            side = DEVICES.new_stream(device)
             side.wait_event(ready)
             self._side[device] = side
 
     def copying(self) -> contextlib.ExitStack:
-        """Make every device's side stream current in this thread (a copy to or from a tensor
-        goes to the current stream of its device), until the returned context exits."""
+        """Make every device's side stream current in this thread, until the context exits."""
         stack = contextlib.ExitStack()
         for side in self._side.values():
-            stack.enter_context(torch.cuda.stream(side))
+            stack.enter_context(DEVICES.use(side))
         stack.enter_context(torch.no_grad())
         return stack
 
     def enqueue(self, copy: Callable[[], None]) -> None:
-        copy()
+        DEVICES.run(copy)
 
-    def record(self, devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
+    def record(self, devices: Iterable[torch.device]) -> list[Any]:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""
         events = []
         for device in devices:
-            event = torch.cuda.Event(blocking=True)  # I/O threads sleep on it instead of spinning a core
+            event = DEVICES.event()
             event.record(self._side[device])
             events.append(event)
         return events
@@ -94,12 +132,12 @@ class Streams:
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         """Whether a load checksums these bytes (a contiguous tensor's) on their device, once
         loaded, rather than from the staging buffers."""
-        return flat.is_cuda and gpucrc.eligible(flat) and gpucrc.usable(flat.device)
+        return DEVICES.device_of(flat) is not None and DEVICES.checksums_on_device(flat)
 
     def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
         """CRC-32Cs of contiguous byte tensors of one device, on the current stream (call in
         ``copying()``, after the copies were enqueued); waits for them."""
-        return gpucrc.crcs(tensors)
+        return DEVICES.checksums(tensors)
 
     def hand_back(self) -> None:
         for device, side in self._side.items():

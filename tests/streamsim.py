@@ -1,0 +1,135 @@
+"""A simulated GPU for the CPU test suite: streams whose work runs only when something waits.
+
+On a real GPU a copy enqueued on a stream runs some time later, in stream order, after whatever
+the stream was told to wait for. A missing wait (an I/O thread that writes a staging buffer
+before the copy into it ran, a side stream that does not wait for the caller's kernels, a
+buffer refilled while a copy still reads it, a checksum launched on the wrong stream) goes
+unseen on the CPU, where every copy is immediate. ``SimDevices`` replaces the CUDA primitives of
+``ckptstream._engine.streams`` and treats CPU tensors as device tensors: each stream keeps a
+queue of operations, and an operation runs only when an event recorded after it, or the stream,
+is synchronized, as late as a GPU could run it. A missing wait then leaves stale or poisoned
+bytes where the data should be.
+
+Install with the ``simulated_gpu`` fixture of the tests that use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import crc32c
+import torch
+
+DEVICE = torch.device("cpu")  # the simulated device's tensors are ordinary CPU tensors
+
+
+class SimStream:
+    """A queue of operations run in order, lazily."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.device = name, DEVICE
+        self._ops: list[Callable[[], None]] = []
+        self._done = 0
+        self._lock = threading.RLock()
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        with self._lock:
+            self._ops.append(op)
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._ops)
+
+    def run_to(self, count: int) -> None:
+        """Run the first ``count`` operations (those not run yet)."""
+        with self._lock:
+            while self._done < count:
+                op = self._ops[self._done]
+                self._done += 1
+                op()
+
+    def record_event(self) -> SimEvent:
+        event = SimEvent()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: SimEvent) -> None:
+        # the stream's later operations wait for the event: running this one runs the other stream to it
+        self.enqueue(event.synchronize)
+
+    def wait_stream(self, other: SimStream) -> None:
+        self.wait_event(other.record_event())
+
+    def synchronize(self) -> None:
+        self.run_to(self.queued())
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self._stream: SimStream | None = None
+        self._count = 0
+
+    def record(self, stream: SimStream) -> None:
+        self._stream, self._count = stream, stream.queued()
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.run_to(self._count)
+
+
+class SimDevices:
+    """Stands in for ``ckptstream._engine.streams.CudaDevices``."""
+
+    pins_staging = False
+
+    def __init__(self) -> None:
+        self.default = SimStream("default")  # the caller's stream
+        self._local = threading.local()
+        self.streams: list[SimStream] = [self.default]
+
+    def device_of(self, t: torch.Tensor) -> torch.device | None:
+        return DEVICE
+
+    def current_stream(self, device: torch.device) -> SimStream:
+        return getattr(self._local, "stream", None) or self.default
+
+    def new_stream(self, device: torch.device) -> SimStream:
+        stream = SimStream(f"side-{len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    @contextlib.contextmanager
+    def use(self, stream: SimStream) -> Iterator[SimStream]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
+    def event(self) -> SimEvent:
+        return SimEvent()
+
+    def run(self, copy: Callable[[], None]) -> None:
+        self.current_stream(DEVICE).enqueue(copy)
+
+    def checksums_on_device(self, flat: torch.Tensor) -> bool:
+        return flat.numel() >= 64  # most tensors, so that the path is taken
+
+    def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Queued on the current stream, and waited for, as the kernel and its ``tolist()`` are."""
+        out: list[int] = []
+        stream = self.current_stream(DEVICE)
+        stream.enqueue(lambda: out.extend(crc32c.crc32c(t.numpy().tobytes()) for t in tensors))
+        stream.synchronize()
+        return out
+
+    def producer(self, work: Callable[[], None]) -> None:
+        """Queue ``work`` on the caller's stream, as a kernel that writes a tensor would be."""
+        self.default.enqueue(work)
+
+    def drain(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()

@@ -1,0 +1,101 @@
+"""Stream and event order, shown on the CPU through a simulated GPU (tests/streamsim.py).
+
+Each test fails when the engine leaves out one wait that only a GPU's asynchronous copies
+would expose: the I/O thread writing a staging buffer before its device-to-host copies ran,
+the side stream not waiting for the kernels that produce the saved tensors, a staging buffer
+refilled before its host-to-device copies ran, and the device checksums launched off the
+copies' stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstream
+from ckptstream._engine import streams
+from streamsim import SimDevices
+
+# small chunks, fewer buffers than chunks: every buffer is reused while copies are pending
+SMALL = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimDevices]:
+    sim = SimDevices()
+    monkeypatch.setattr(streams, "DEVICES", sim)
+    yield sim
+    sim.drain()
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Contiguous and non-contiguous tensors over several 4 KiB chunks, sizes that split elements."""
+    return {"big": torch.randn(5000), "odd": torch.randint(0, 255, (4099,), dtype=torch.uint8),
+            "t": torch.randn(37, 29, dtype=torch.float64).t(), "h": torch.randn(3001, dtype=torch.float16)}
+
+
+def _file_state(path: Path) -> dict[str, torch.Tensor]:
+    """What the file holds, read through safetensors (no ckptstream code, no simulation)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
+        simulated_gpu: SimDevices, tmp_path: Path) -> None:
+    final = _state()
+    state = {k: torch.full_like(v, 3) for k, v in final.items()}  # what the tensors hold before the kernels
+    for k, v in final.items():
+        simulated_gpu.producer(lambda k=k, v=v: state[k].copy_(v))  # queued kernels produce the values
+    path = tmp_path / "s.safetensors"
+    ckptstream.save(state, path, **SMALL)
+    written = _file_state(path)
+    for k, v in final.items():
+        assert torch.equal(written[k], v.contiguous()), k
+
+
+def test_device_to_file_writes_after_the_copies(simulated_gpu: SimDevices, tmp_path: Path) -> None:
+    src = torch.randn(10_000).reshape(100, 100).t()
+    ckptstream.device_to_file(src, tmp_path / "t.bin", **SMALL)
+    assert (tmp_path / "t.bin").read_bytes() == src.contiguous().numpy().tobytes()
+
+
+def test_load_refills_a_buffer_only_after_its_copies_ran(simulated_gpu: SimDevices, tmp_path: Path) -> None:
+    state = _state()
+    with ckptstream.settings(**SMALL):
+        simulated_gpu_save_plain(state, tmp_path / "s.safetensors")
+        loaded = ckptstream.load(tmp_path / "s.safetensors", checksum=False)
+        targets = {k: torch.full_like(v, 7) for k, v in state.items()}
+        ckptstream.load_into(targets, tmp_path / "s.safetensors", checksum=False)
+        dst = torch.empty(100, 100).t()
+        src = torch.randn(100, 100).t()
+        (tmp_path / "raw.bin").write_bytes(src.contiguous().numpy().tobytes())
+        ckptstream.file_to_device(tmp_path / "raw.bin", dst)
+    simulated_gpu.drain()
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+        assert torch.equal(targets[k], v), k
+    assert torch.equal(dst, src)
+
+
+def test_device_checksums_run_after_the_copies(simulated_gpu: SimDevices, tmp_path: Path) -> None:
+    state = _state()
+    simulated_gpu_save_plain(state, tmp_path / "s.safetensors")
+    with ckptstream.settings(**SMALL):
+        loaded = ckptstream.load(tmp_path / "s.safetensors")  # raises CorruptCheckpointError when they do not
+        ckptstream.verify(tmp_path / "s.safetensors")
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def simulated_gpu_save_plain(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A checkpoint written with every copy immediate (the simulator set aside)."""
+    saved = streams.DEVICES
+    streams.DEVICES = streams.CudaDevices()
+    try:
+        ckptstream.save(state, path)
+    finally:
+        streams.DEVICES = saved
