@@ -1,11 +1,14 @@
 """``ckptstream bench``: smoke runs at tiny sizes on the CPU (real subprocesses, as a user runs it)
-and unit tests of its parts: the state generator, the RSS helper, cache eviction, aggregation."""
+and unit tests of its parts: the state generator, the RSS helper, cache eviction, aggregation,
+the targets, and the package's own structure (public API only, imports one way)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,10 +18,12 @@ from typing import Any
 import pytest
 import torch
 
+import ckptstream
 from ckptstream import cli
-from ckptstream.bench import cache, machine, measure, options, report, runner, sweep, systems, worker
+from ckptstream.bench import cache, machine, measure, options, report, runner, sweep, systems, text, worker
+from ckptstream.bench.formats import GiB, MiB
 from ckptstream.bench.multirank import Group
-from ckptstream.bench.state import GiB, MiB, StateSpec, build_state, flatten, gpt_shapes, state_nbytes
+from ckptstream.bench.state import StateSpec, build_state, flat_tensors, gpt_shapes, state_nbytes
 
 TINY = str(1 / 128)  # GiB
 DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream verify=False", "torch", "torch mmap", "safetensors", "dcp"]
@@ -65,8 +70,9 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
             assert row["save_vs_ceiling"] > 0
     ours = data["rows"][0]
     assert ours["save"]["staging"] > 0  # ckptstream's staging buffers are reported
-    cost = {t["target"]: t for t in data["targets"]}["share of hot load speed that verifying costs"]
-    assert cost["value"] == pytest.approx(report.verify_cost(data["rows"])) and cost["kind"] == "<="
+    assert data["verify_cost"] == pytest.approx(report.verify_cost(data["rows"]))
+    assert data["targets"] == [] and data["targets_set_for"] is None  # set for a GPU machine, not this one
+    assert data["ckptstream_settings"] == _settings_now()
     for kind in ("write", "read", "hot"):
         assert data["ceilings"][kind]["gbps"] > 0
     assert set(data["speedups"]) == {"torch", "torch mmap", "safetensors", "dcp"}
@@ -82,7 +88,8 @@ def test_quick_run_prints_table_progress_and_plot(quick: tuple[Path, subprocess.
     header = next(line for line in proc.stdout.splitlines() if line.startswith("system"))
     for column in ("save GB/s", "/write", "load GB/s", "/read", "hot load GB/s", "peak RSS save"):
         assert column in header
-    assert "ckptstream speedup" in proc.stdout
+    assert "ckptstream speedup" in proc.stdout and "verifying checksums cost" in proc.stdout
+    assert "targets (" not in proc.stdout and "MISSED" not in proc.stdout  # a CPU run judges no GPU target
     assert "[1/5] raw disk and copy ceilings" in proc.stderr and "torch save 1/1" in proc.stderr
     assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -119,7 +126,7 @@ def test_ranks_2_quick_with_gloo_and_a_missing_peer(tmp_path: Path) -> None:
         assert row["bytes"] == 2 * data["state"]["bytes_per_rank"]
         assert len(data["raw"]["systems"][row["system"]]) == 2  # one result per rank
     assert data["ceilings"]["write"]["gbps"] > 0 and data["ceilings"]["read"]["gbps"] > 0
-    assert "slowest save s" in proc.stdout and "RSS total" in proc.stdout
+    assert "slowest save s" in proc.stdout and "RSS total save" in proc.stdout and "RSS total load" in proc.stdout
     assert_workspace_gone(tmp_path)
 
 
@@ -128,15 +135,15 @@ def test_sweep_in_process(tmp_path: Path) -> None:
     args = cli.build_parser().parse_args(["bench", "--sweep", "--quick", "--size-gib", TINY, "--dir", str(tmp_path),
                                           "--sweep-buffer-mib", "1,4", "--sweep-num-buffers", "2",
                                           "--sweep-io-threads", "1,2", "--cold", "fadvise"])
-    opts = options.resolve(args)
+    opts = options.resolve_options(args)
     job = runner.base_job(opts, "sweep", str(tmp_path), cache.Cold.FADVISE)
     job["spec"] = {"size_bytes": 0, "tensors": 1, "tensor_kib": 4096, "seed": 0}
-    result = sweep.run_job(job, Group("cpu"))
+    result = sweep.run_sweep(job, Group("cpu"))
     rows = result["rows"]
     assert [(r["buffer_size"] // MiB, r["num_buffers"], r["io_threads"]) for r in rows] == [(1, 2, 1), (1, 2, 2), (4, 2, 1), (4, 2, 2)]
     assert all(r[k] > 0 for r in rows for k in ("write", "cold", "hot"))
-    text = sweep.render(result, report.ceiling_figures([result["ceilings"]]), "cpu", "cold")
-    assert "best write" in text and "current defaults" in text
+    printed = sweep.render_sweep(result, report.ceiling_figures([result["ceilings"]]), "cpu", "cold")
+    assert "best write" in printed and "current defaults" in printed
     assert list(Path(job["dir"]).iterdir()) == []
 
 
@@ -156,7 +163,7 @@ def test_gpt_state_has_a_transformer_mix() -> None:
         assert len(shapes_here) == 1
     sizes = {t.numel() for t in state["master"].values()}
     assert len(sizes) >= 5  # embeddings, attention, MLP, biases and norms differ
-    assert all(t.count_nonzero() > 0 for t in flatten(state).values())
+    assert all(t.count_nonzero() > 0 for t in flat_tensors(state).values())
     assert all((t > 0).all() for t in state["optim"]["exp_avg_sq"].values())
     assert state_nbytes(state) == spec.nbytes()
     again, other = build_state(spec, "cpu"), build_state(StateSpec(2 * MiB, seed=4), "cpu")
@@ -167,7 +174,7 @@ def test_gpt_state_has_a_transformer_mix() -> None:
 def test_many_small_tensors_state() -> None:
     spec = StateSpec(tensors=300, tensor_kib=1)
     state = build_state(spec, "cpu")
-    tensors = flatten(state)
+    tensors = flat_tensors(state)
     assert len(tensors) == 300 and all(t.numel() * t.element_size() == 1024 for t in tensors.values())
     assert spec.nbytes() == state_nbytes(state) == 300 * 1024
 
@@ -200,8 +207,8 @@ def test_fadvise_makes_a_file_cold(tmp_path: Path) -> None:
     assert cache.resident_fraction([str(path)]) == pytest.approx(1.0)
     cache.evict(cache.Cold.FADVISE, [str(path)])
     assert cache.resident_fraction([str(path)]) <= cache.STILL_COLD
-    assert cache.label(cache.Cold.FADVISE, 0.0) == "cold"
-    assert cache.label(cache.Cold.FADVISE, 0.5) == "warm" and cache.label(cache.Cold.NONE, 0.0) == "warm"
+    assert cache.cold_label(cache.Cold.FADVISE, 0.0) == "cold"
+    assert cache.cold_label(cache.Cold.FADVISE, 0.5) == "warm" and cache.cold_label(cache.Cold.NONE, 0.0) == "warm"
 
 
 def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
@@ -237,3 +244,164 @@ def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path
     assert len(result["runs"]["save"]) == 2 and len(result["runs"]["loads"]["torch"]["cold"]) == 2
     assert len(result["runs"]["loads"]["torch"]["hot"]) == 2 * -(-worker.HOT_RUNS // 2)
     assert list((tmp_path / "torch").iterdir()) == []
+
+
+def _settings_now() -> dict[str, int]:
+    now = ckptstream.current_settings()
+    return {"buffer_size": now.buffer_size, "num_buffers": now.num_buffers, "io_threads": now.io_threads}
+
+
+def test_many_small_tensors_run_every_peer_with_staging_options(tmp_path: Path) -> None:
+    proc, data = bench(tmp_path, "--tensors", "200", "--tensor-kib", "1",
+                       "--buffer-mib", "4", "--num-buffers", "2", "--io-threads", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert [row["label"] for row in data["rows"]] == DEFAULT_ROWS
+    assert data["state"]["kind"] == "small" and data["state"]["bytes_per_rank"] == 200 * 1024
+    for peer in ("torch", "safetensors", "dcp"):  # every phase compared with every peer
+        assert all(data["speedups"][peer][p] > 0 for p in ("save", "cold", "hot")), data["speedups"][peer]
+    assert data["ckptstream_settings"] == {"buffer_size": 4 * MiB, "num_buffers": 2, "io_threads": 2}
+    assert data["rows"][0]["save"]["staging"] <= 2 * 4 * MiB
+    assert data["targets"] == []
+    speedup_header = next(line for line in proc.stdout.splitlines() if line.startswith("ckptstream speedup"))
+    assert "save" in speedup_header and "load" in speedup_header and "hot load" in speedup_header
+    assert "save s" in proc.stdout and "ckptstream settings: 2 x 4.0 MiB staging, 2 I/O threads" in proc.stdout
+    assert_workspace_gone(tmp_path)
+
+
+def test_staging_options_are_checked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--num-buffers", "0"])
+    args = cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), "--buffer-mib", "2", "--io-threads", "3"])
+    assert options.resolve_options(args).staging == {"buffer_size": 2 * MiB, "io_threads": 3}
+    assert options.resolve_options(cli.build_parser().parse_args(["bench", "--dir", str(tmp_path)])).staging == {}
+
+
+def _fig(seconds: float, rss: int = 0, staging: int = 0) -> dict[str, Any]:
+    return {"seconds": seconds, "rss": rss, "rss_method": "VmHWM", "staging": staging, "resident": 0.0}
+
+
+def _fabricated_raw(nbytes: int, ranks: int = 1) -> dict[str, Any]:
+    """Raw results as the workers write them, per rank: ckptstream misses some targets (saves at
+    half the write ceiling, verifying costs 20%); the peers are slower; saves grow RSS by
+    200 MiB, loads by 50 MiB."""
+    def system(save_s: float, loads: dict[str, tuple[float, float]], staging: int = 0) -> list[dict[str, Any]]:
+        runs = {"save": [_fig(save_s, 200 * MiB, staging)],
+                "loads": {label: {"cold": [_fig(c, 50 * MiB, staging)], "hot": [_fig(h, 50 * MiB, staging)]}
+                          for label, (c, h) in loads.items()}}
+        return [{"bytes": nbytes, "tensors": 496, "runs": runs, "load_errors": {}} for _ in range(ranks)]
+
+    gb = nbytes / 1e9  # seconds at 1 GB/s
+    ceiling = {"bytes": nbytes, "block": 64 * MiB, "direct": True, "resident": [0.0],
+               "write": {"1": [gb / 2]}, "read": {"1": [gb / 2]}, "hot": {"1": [gb / 20]}}
+    return {"cold_method": "drop_caches", "notes": [], "failed": {}, "ceilings": [ceiling] * ranks, "systems": {
+        "ckptstream": system(gb, {"ckptstream": (gb / 1.5, gb / 8), "ckptstream verify=False": (gb / 1.6, gb / 10)},
+                             staging=128 * MiB),
+        "torch": system(gb * 4, {"torch": (gb * 2, gb), "torch mmap": (gb, gb / 5)}),
+        "safetensors": system(gb * 4, {"safetensors": (gb, gb / 5)}),
+        "dcp": system(gb * 4, {"dcp": (gb * 2, gb)}),
+    }}
+
+
+def _fabricated_report(tmp_path: Path, device: str, *more: str) -> dict[str, Any]:
+    opts = options.resolve_options(cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), *more]))
+    opts = dataclasses.replace(opts, device=device)  # no GPU here: the report only reads the option
+    raw = _fabricated_raw(opts.spec.nbytes(), opts.ranks)
+    return report.build_report(opts, raw, dict(machine.machine_description(str(tmp_path)), gpu="NVIDIA H200"))
+
+
+def _printed_rows(rep: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The printed table as {system: {column: cell}}."""
+    header, _, *lines = text._rows(rep)
+    columns = re.split(r"\s{2,}", header.strip())
+    return {cells[0]: dict(zip(columns, cells, strict=True)) for cells in (re.split(r"\s{2,}", line.strip()) for line in lines)}
+
+
+def test_targets_only_where_they_were_set(tmp_path: Path) -> None:
+    cuda = _fabricated_report(tmp_path, "cuda", "--size-gib", "8")
+    judged = {t["target"]: t["ok"] for t in cuda["targets"]}
+    assert judged["save / write ceiling"] is False and judged["save speedup over torch"] is True
+    assert judged["share of hot load speed that verifying costs"] is False  # 1 - 8/10
+    assert cuda["targets_set_for"] == "one H200 GPU machine, 8 GiB GPT-like state"
+    printed = text.render_report(cuda)
+    assert "targets (set for one H200 GPU machine, 8 GiB GPT-like state):" in printed
+    assert "save / write ceiling: 0.5 (want >= 0.9) MISSED" in printed
+    assert "verifying checksums cost 20.0%" in printed
+
+    cpu = _fabricated_report(tmp_path, "cpu", "--size-gib", "8")
+    assert cpu["targets"] == [] and cpu["targets_set_for"] is None
+    printed = text.render_report(cpu)
+    assert "MISSED" not in printed and "targets (" not in printed and "verifying checksums cost 20.0%" in printed
+    small = _fabricated_report(tmp_path, "cuda", "--tensors", "20000", "--tensor-kib", "1")
+    assert small["targets"] == []  # set for the GPT-like state, not for many small tensors
+
+
+def test_two_rank_report_keeps_save_and_load_rss_totals_apart(tmp_path: Path) -> None:
+    rep = _fabricated_report(tmp_path, "cuda", "--size-gib", "4", "--ranks", "2")
+    rows = _printed_rows(rep)
+    assert rows["dcp"]["RSS/proc save"] == "+200 MiB" and rows["dcp"]["RSS/proc load"] == "+50 MiB"
+    assert rows["dcp"]["RSS total save"] == "+400 MiB" and rows["dcp"]["RSS total load"] == "+100 MiB"
+    assert [t["target"] for t in rep["targets"]] == ["save / write ceiling", "peak RSS growth of save - staging (MiB)"]
+    assert rep["targets_set_for"] == report.TARGETS_SET_FOR["ranks"]
+
+
+def test_touch_brings_a_mapped_load_into_memory(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.randn(257 * 1024 + i) for i in range(8)}  # about 8 MiB, sizes not page multiples
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    nbytes = state_nbytes(state)
+    loaded = torch.load(path, weights_only=True, mmap=True)
+    before = measure.rss_bytes()
+    measure.touch(loaded)
+    assert measure.rss_bytes() - before >= 0.9 * nbytes  # every page of the mapping was read in
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+BENCH = Path(worker.__file__).parent
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(module, level) of each import statement of a module of ckptstream.bench."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.module or "", node.level)] + [(f"{node.module}.{a.name}" if node.module else a.name, node.level)
+                                                          for a in node.names]
+    return found
+
+
+def _private(name: str, level: int) -> bool:
+    """Whether an import reaches past ckptstream's public API (the library's underscore modules)."""
+    if level >= 2:  # from .. import / from ..x import: the library's own modules
+        return True
+    parts = name.split(".")
+    return level == 0 and parts[0] == "ckptstream" and any(p.startswith("_") for p in parts[1:])
+
+
+def test_the_benchmark_uses_the_public_api_only() -> None:
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        found += [f"{path.name}: import {'.' * level}{name}" for name, level in _imports(path) if _private(name, level)]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ckptstream"
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.name}:{node.lineno}: ckptstream.{node.attr}")
+    assert found == []
+
+
+def test_the_benchmark_modules_import_one_way() -> None:
+    graph = {path.stem: {name.split(".")[0] for name, level in _imports(path) if level == 1 and name}
+             for path in BENCH.glob("*.py")}
+    graph = {module: {d for d in deps if d in graph and d != module} for module, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, f"import cycle: {' -> '.join((*stack, module))}"
+        if module not in done:
+            for dep in graph[module]:
+                visit(dep, (*stack, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())

@@ -1,10 +1,12 @@
 """``ckptstream bench``: the raw disk and copy ceilings, the peers (torch.save, safetensors,
 torch.distributed.checkpoint) and ckptstream, measured side by side on the same state in one run.
 
-Modules: ``state`` builds the GPT-like (or many-small-tensors) state, ``ceilings`` measures the
-raw rates, ``systems`` says how each system saves and loads, ``worker`` is the child process
-that measures one of them, ``runner`` starts the children and cleans up, ``multirank`` adds
-several ranks at once, ``sweep`` the staging-buffer sweep, ``report`` and ``plot`` the output.
+Modules: ``options`` the command line, ``state`` builds the GPT-like (or many-small-tensors)
+state, ``systems`` says how each system saves and loads, ``runner`` starts a worker process per
+job and cleans up, ``worker`` is that process (``job`` what it is handed), measuring a system,
+the raw rates (``ceilings``) or the staging sweep (``sweep``); ``measure`` and ``cache`` time a
+phase and make loads cold, ``multirank`` runs several ranks at once; ``report``, ``text`` and
+``plot`` give the output. The benchmark uses ckptstream's public API only.
 """
 
 from __future__ import annotations
@@ -12,60 +14,55 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from . import cache, machine, report, runner, text
-from .options import BenchError, Options, add_arguments, resolve
+from . import cache, plot, report, runner, sweep, text
+from .machine import machine_description
+from .options import BenchError, Options, add_arguments, resolve_options
+from .state import StateSpec
 
 __all__ = ["BenchError", "add_arguments", "run"]
 
 
 def _run_bench(opts: Options) -> int:
     raw = runner.run_all(opts)
-    rep = report.build(opts, raw, machine.describe(opts.dir))
-    print(text.render(rep), flush=True)
-    _outputs(opts, rep, lambda path: _plot("plot_report", rep, path))
+    rep = report.build_report(opts, raw, machine_description(opts.dir))
+    print(text.render_report(rep), flush=True)
+    _outputs(opts, rep, plot.plot_report)
     return 1 if rep["failed"] else 0
 
 
 def _run_sweep(opts: Options) -> int:
-    from . import sweep
-    from .state import StateSpec
-
     # one tensor of --size-gib (a GPT-like spec would be many tensors)
     spec = StateSpec(tensors=1, tensor_kib=max(4, opts.spec.size_bytes // 1024), seed=opts.spec.seed)
     opts = dataclasses.replace(opts, spec=spec, ranks=1)
     runner.check_resources(opts, spec.nbytes())
-    cold = cache.resolve(opts.cold, gentle=opts.quick)
+    cold = cache.cold_method(opts.cold, gentle=opts.quick)
     with runner.workspace(opts) as work:
-        runner.say(f"sweep of {len(sweep.grid(runner.base_job(opts, 'sweep', work, cold)))} staging configurations "
-                   f"over one {spec.nbytes() / 2**30:.2f} GiB tensor on {opts.device}")
+        runner.progress(f"sweep of {len(sweep.staging_configurations(opts.sweep_axes))} staging configurations "
+                        f"over one {spec.nbytes() / 2**30:.2f} GiB tensor on {opts.device}")
         (result,) = runner.spawn(runner.base_job(opts, "sweep", work, cold), 1, work)
     if "error" in result:
         raise BenchError(f"the sweep failed: {result['error']}")
     limits = report.ceiling_figures([result["ceilings"]])
     resident = limits.get("resident_before_read")
-    label = cache.label(cold, resident)
-    print(sweep.render(result, limits, opts.device, label), flush=True)
+    label = cache.cold_label(cold, resident)
+    print(sweep.render_sweep(result, limits, opts.device, label), flush=True)
     full = {"schema": 1, "mode": "sweep", "device": opts.device, "cold": {"method": cold.value, "label": label},
-            "ceilings": limits, "sweep": result, "machine": machine.describe(opts.dir)}
-    _outputs(opts, full, lambda path: _plot("plot_sweep", full, path))
+            "ceilings": limits, "sweep": result, "machine": machine_description(opts.dir)}
+    _outputs(opts, full, plot.plot_sweep)
     return 0
 
 
-def _plot(name: str, data: dict[str, Any], path: str) -> None:
-    from . import plot
-
-    getattr(plot, name)(data, path)
-
-
-def _outputs(opts: Options, data: dict[str, Any], draw: Any) -> None:
+def _outputs(opts: Options, data: dict[str, Any], draw: Callable[[dict[str, Any], str], None]) -> None:
+    """--json and --plot (matplotlib is imported only here, when a plot is asked for)."""
     if opts.json:
         report.write_json(data, opts.json)
-        runner.say(f"wrote {opts.json}")
+        runner.progress(f"wrote {opts.json}")
     if opts.plot:
-        draw(opts.plot)
-        runner.say(f"wrote {opts.plot}")
+        draw(data, opts.plot)
+        runner.progress(f"wrote {opts.plot}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     could not run as asked (e.g. too little disk space); 130: interrupted (files removed).
     """
     try:
-        opts = resolve(args)
+        opts = resolve_options(args)
         return _run_sweep(opts) if opts.sweep else _run_bench(opts)
     except BenchError as e:
         print(f"ckptstream bench: error: {e}", file=sys.stderr)

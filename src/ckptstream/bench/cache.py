@@ -31,7 +31,7 @@ def drop_caches_allowed() -> bool:
     return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
 
 
-def resolve(requested: Cold, *, gentle: bool = False) -> Cold:
+def cold_method(requested: Cold, *, gentle: bool = False) -> Cold:
     """The method ``auto`` stands for on this machine; an explicit one that cannot work is an error.
 
     ``gentle`` (--quick) prefers fadvise: dropping every cache also evicts torch's own libraries,
@@ -128,7 +128,7 @@ def resident_fraction(files: Iterable[str]) -> float | None:
     return cached / total if total else 0.0
 
 
-def label(method: Cold, worst_resident: float | None) -> str:
+def cold_label(method: Cold, worst_resident: float | None) -> str:
     """What to call the loads measured after ``evict``: "cold" only when it demonstrably was."""
     if method is Cold.NONE or (worst_resident is not None and worst_resident > STILL_COLD):
         return "warm"

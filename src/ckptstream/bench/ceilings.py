@@ -1,6 +1,9 @@
 """What the hardware allows for the same byte count: raw sequential write (O_DIRECT + fsync) and
 cold raw read (O_DIRECT) from page-aligned host memory, a hot page-cache read, and on a GPU the
-pinned device-to-host and host-to-device copy rates. No serialisation, no device copies."""
+pinned device-to-host and host-to-device copy rates. No serialisation, no device copies.
+
+``run_ceilings`` is the worker's job that measures them all, per thread count.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +15,24 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
-from .state import MiB
+from . import cache
+from .cache import Cold
+from .formats import MiB, short_number
+from .job import Job, say, spec_of
+from .multirank import Group
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 RING = 256 * MiB  # distinct source bytes, reused cyclically: no need to hold the whole state twice
 
 
 def block_for(nbytes: int) -> int:
-    """Block size: 64 MiB (as the anchors measured), smaller for tiny states so threads get work."""
+    """Block size: 64 MiB (large sequential I/O, as a checkpoint writes), smaller for tiny states
+    so that every thread gets work."""
     block = 64 * MiB
     while block > MiB and block * 8 > nbytes:
         block //= 2
@@ -162,3 +172,51 @@ def copy_rates(device: str, nbytes: int, chunk: int = 64 * MiB) -> dict[str, flo
             best = min(best, time.perf_counter() - start)
         rates[name] = n / best / 1e9
     return rates
+
+
+def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
+    """Seconds of each raw write, cold read and hot read per thread count, ``job["repeat"]``
+    times each, on all ranks at once; and the pinned copy rates on a GPU."""
+    nbytes, cold = spec_of(job, group).nbytes(), Cold(job["cold"])
+    block = block_for(nbytes)
+    os.makedirs(job["dir"], exist_ok=True)
+    path = os.path.join(job["dir"], f"raw.rank{group.rank}")
+    threads, hot_threads = job["threads"], job["hot_threads"]
+    out: dict[str, Any] = {"bytes": nbytes, "block": block, "resident": []}
+    for kind in ("write", "read", "hot"):
+        out[kind] = {str(t): [] for t in (hot_threads if kind == "hot" else threads)}
+
+    def measure(kind: str, t: int, fn: Callable[[], float]) -> None:
+        group.barrier()
+        seconds = fn()
+        group.barrier()
+        out[kind][str(t)].append(seconds)
+        say(group, f"ceiling {kind}, {t} thread(s): {short_number(nbytes / seconds / 1e9)} GB/s "
+                   f"({short_number(seconds)} s)")
+
+    def write(t: int) -> float:
+        seconds, out["direct"] = raw_write(path, nbytes, t, block)
+        return seconds
+
+    try:
+        for _ in range(job["repeat"]):
+            for t in threads:
+                measure("write", t, partial(write, t))
+            for t in threads:
+                cache.evict(cold, [path], lead=group.lead)
+                group.barrier()
+                out["resident"].append(cache.resident_fraction([path]))
+                measure("read", t, partial(raw_read, path, nbytes, t, block, direct=True))
+            if hot_threads:
+                raw_read(path, nbytes, max(hot_threads), block, direct=False)  # fill the cache
+                for t in hot_threads:
+                    measure("hot", t, partial(raw_read, path, nbytes, t, block, direct=False))
+        if group.cuda:
+            out.update(copy=copy_rates(group.device, nbytes), gpu=torch.cuda.get_device_name(group.device),
+                       gpus=torch.cuda.device_count())
+            if out["copy"]:
+                say(group, "ceiling copies (pinned): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s".format(**out["copy"]))
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return out

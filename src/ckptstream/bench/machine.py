@@ -56,7 +56,8 @@ def version(dist: str) -> str | None:
         return None
 
 
-def describe(directory: str) -> dict[str, Any]:
+def machine_description(directory: str) -> dict[str, Any]:
+    """The machine and the file system of ``directory``, for the JSON report."""
     import torch
 
     import ckptstream

@@ -100,15 +100,21 @@ def timed(fn: Callable[[], T], device: str | torch.device) -> tuple[float, T]:
 
 
 def touch(state: Any) -> None:
-    """Read one byte of every page of the CPU tensors in ``state``.
+    """Bring every byte of the CPU tensors in ``state`` into memory: read one byte of each page
+    that holds any of a tensor's bytes (a page comes in whole).
 
-    torch.load(mmap=True) and other lazy loaders return before the data is read; a load is
-    only finished once the data is in memory, so every loader pays this (it costs nothing
-    for memory that is already resident).
+    torch.load(mmap=True), and safetensors on the CPU, map the file and return before the data
+    has been read; a load has finished only once the data is in memory, so every load is timed
+    with this included (it costs one read per page where the memory is resident already).
     """
     for _, t in iter_tensors(state):
-        if t.device.type == "cpu" and t.numel():
-            t.reshape(-1).view(torch.uint8)[::PAGE].sum()
+        if t.device.type != "cpu" or not t.numel():
+            continue
+        data = t.reshape(-1).view(torch.uint8)
+        # the tensor's first page, then every page boundary inside it: its last, partial page too
+        boundary = -data.data_ptr() % PAGE
+        data[:1].sum()
+        data[boundary::PAGE].sum()
 
 
 def release_memory() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-# NVLink SHARP / multicast stays off: the GPU machines do not support it (KINDS.md)
+# NVLink SHARP / multicast stays off: the GPU machines of docs/benchmarks.md do not support it
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -7,14 +7,17 @@ import dataclasses
 import importlib.util
 import os
 
-from .._errors import CkptStreamError
+import ckptstream
+from ckptstream import CkptStreamError
+
 from .cache import Cold
-from .state import GiB, MiB, StateSpec
+from .formats import GiB, MiB
+from .state import StateSpec
 from .systems import DEFAULT, SYSTEMS
 
-DEFAULT_SIZE_GIB = 0.25  # about 2 minutes on a 2-core machine without a GPU
+DEFAULT_SIZE_GIB = 0.25  # small enough for `make demo` on a laptop without a GPU
 QUICK_SIZE_GIB = 1 / 128
-LARGE = 2 * GiB  # from here on one run per figure by default: an 8 GiB run must fit in 5 minutes
+LARGE = 2 * GiB  # from here on one run per figure by default: a large state's runs take minutes each
 SWEEP_SIZE_GIB = 1.0
 
 
@@ -22,13 +25,20 @@ class BenchError(CkptStreamError, RuntimeError):
     """The benchmark cannot run as asked (disk space, memory, devices); the message says why."""
 
 
-def _ints(text: str) -> list[int]:
+def _positive(text: str) -> int:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _ints(text: str) -> list[int]:
+    values = [_positive(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
 
 
@@ -52,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=_ints, help="thread counts of the raw disk ceilings (default 1,4,8; 1,4 below 8 cores)")
     add("--hot-threads", type=_ints, help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
     add("--seed", type=int, default=0, help="seed of the random state")
+    staging = parser.add_argument_group("ckptstream's settings in this run (default: the library's, or CKPTSTREAM_* variables)")
+    staging.add_argument("--buffer-mib", type=_positive, metavar="M", help="MiB per staging buffer (buffer_size)")
+    staging.add_argument("--num-buffers", type=_positive, metavar="N", help="staging buffers (num_buffers)")
+    staging.add_argument("--io-threads", type=_positive, metavar="T", help="I/O threads (io_threads)")
     sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
     sweep.add_argument("--sweep", action="store_true", help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
     sweep.add_argument("--sweep-buffer-mib", type=_ints, default=[4, 8, 16, 32, 64], help="buffer sizes in MiB (default 4,8,16,32,64)")
@@ -76,7 +90,8 @@ class Options:
     threads: tuple[int, ...]
     hot_threads: tuple[int, ...]
     sweep: bool
-    sweep_grid: dict[str, list[int] | str]
+    sweep_axes: dict[str, list[int] | str]  # the values of each staging setting the sweep combines
+    staging: dict[str, int]  # ckptstream settings given on the command line
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +99,7 @@ class Options:
 
 
 def default_threads() -> list[int]:
-    """1, 4 and 8 threads (the anchors' best were 1-4 for the disk, 8 for the page cache); on a
+    """1, 4 and 8 threads (a disk is usually saturated by a few, the page cache wants more); on a
     small machine more threads than cores only add noise and minutes."""
     cores = os.cpu_count() or 1
     return [1, 4, 8] if cores >= 8 else [1, 4]
@@ -110,7 +125,19 @@ def _systems(given: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def resolve(args: argparse.Namespace) -> Options:
+def _staging(args: argparse.Namespace) -> dict[str, int]:
+    """The ckptstream settings given on the command line, checked by ckptstream.Settings itself."""
+    given = {"buffer_size": args.buffer_mib and args.buffer_mib * MiB, "num_buffers": args.num_buffers,
+             "io_threads": args.io_threads}
+    staging = {name: value for name, value in given.items() if value}
+    try:
+        dataclasses.replace(ckptstream.current_settings(), **staging)
+    except (TypeError, ValueError) as e:
+        raise BenchError(f"--buffer-mib / --num-buffers / --io-threads: {e}") from e
+    return staging
+
+
+def resolve_options(args: argparse.Namespace) -> Options:
     """Options with every default filled in; raises BenchError for impossible requests."""
     size_gib = args.size_gib
     if size_gib is None:
@@ -140,18 +167,11 @@ def resolve(args: argparse.Namespace) -> Options:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         raise BenchError("--plot needs matplotlib, which is not installed: pip install 'ckptstream[bench]'")
     threads = args.threads or ([1] if args.quick else default_threads())
-    # the page cache scales further than the disk (the anchors: 38.6 GB/s with 8 threads)
+    # the page cache scales with threads further than a disk does
     hot = args.hot_threads or ([1] if args.quick else [t for t in (1, 4, 8, 16) if t <= (os.cpu_count() or 1)])
-    grid: dict[str, list[int] | str] = {
+    axes: dict[str, list[int] | str] = {
         "buffer_mib": args.sweep_buffer_mib, "num_buffers": args.sweep_num_buffers,
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
     return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems), args.json, args.plot,
-                   args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, grid)
-
-
-def describe_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+                   args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes, _staging(args))

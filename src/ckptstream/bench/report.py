@@ -1,5 +1,5 @@
-"""From the processes' raw timings to figures (medians over runs, aggregated over ranks), the
-printed table, the issue's targets and the JSON report."""
+"""From the processes' raw timings to the report: figures (medians over runs, aggregated over
+ranks), ratios to the ceilings and to the peers, the targets where they apply, and the JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ from .options import Options
 from .systems import PEERS
 
 Fig = dict[str, Any]
-TARGET_RSS_SLACK = 64 << 20
+# The targets are set for the GPU machine the library is built for, with the GPT-like state; on
+# another device or state they would judge what they were not set for.
+TARGET_DEVICE, TARGET_STATE = "cuda", "gpt"
+TARGETS_SET_FOR = {"single": "one H200 GPU machine, 8 GiB GPT-like state",
+                   "ranks": "H200 GPU machines, one GPU and a 4-8 GiB GPT-like state per rank"}
 
 
 def phase_figure(per_rank: list[list[dict[str, Any]]], total_bytes: int) -> Fig:
@@ -80,17 +84,14 @@ def system_rows(systems: dict[str, list[dict[str, Any]]], ceilings: dict[str, An
     return rows
 
 
-def primary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    for label in ("ckptstream", "engine"):
-        for row in rows:
-            if row["label"] == label:
-                return row
-    return None
+def ckptstream_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row of ``ckptstream.save`` / ``ckptstream.load``, which the peers are compared with."""
+    return next((row for row in rows if row["label"] == "ckptstream"), None)
 
 
 def speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """ckptstream's rate over each peer's, per phase (None where a side has no figure)."""
-    ours = primary(rows)
+    ours = ckptstream_row(rows)
     if ours is None:
         return {}
     return {row["label"]: {p: _ratio(ours[p], row[p]) for p in ("save", "cold", "hot")}
@@ -104,11 +105,11 @@ def verify_cost(rows: list[dict[str, Any]]) -> float | None:
     return 1 - on["gbps"] / off["gbps"] if on and off else None
 
 
-def targets(rows: list[dict[str, Any]], ranks: int, kind: str) -> list[dict[str, Any]]:
-    """The issue's targets for the GPU machine (set for the GPT-like state), checked against this
-    run's figures."""
-    ours = primary(rows)
-    if ours is None or ours["save"] is None or kind != "gpt":
+def targets(rows: list[dict[str, Any]], ranks: int, kind: str, device: str) -> list[dict[str, Any]]:
+    """The targets (see TARGETS_SET_FOR), checked against this run's figures; none where they do
+    not apply (another device or kind of state)."""
+    ours = ckptstream_row(rows)
+    if ours is None or ours["save"] is None or device != TARGET_DEVICE or kind != TARGET_STATE:
         return []
     ups = speedups(rows)
     save = ours["save"]
@@ -129,7 +130,13 @@ def targets(rows: list[dict[str, Any]], ranks: int, kind: str) -> list[dict[str,
             for name, value, bound in out]
 
 
-def build(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any]) -> dict[str, Any]:
+def _ckptstream_settings(raw: dict[str, Any]) -> dict[str, int] | None:
+    results = raw["systems"].get("ckptstream") or raw["systems"].get("engine")
+    return results[0].get("settings") if results else None
+
+
+def build_report(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any]) -> dict[str, Any]:
+    """The report of one run: everything the printed table, the plot and the JSON show."""
     ceilings = ceiling_figures(raw["ceilings"]) if raw.get("ceilings") and not raw["failed"].get("ceilings") else {}
     rows = system_rows(raw["systems"], ceilings)
     residents = [row["cold"]["resident_before"] for row in rows if row["cold"]] + [ceilings.get("resident_before_read")]
@@ -137,14 +144,17 @@ def build(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any]) -> d
     method = cache.Cold(raw["cold_method"])
     if ceilings.get("gpu"):
         machine_info = dict(machine_info, gpu=ceilings["gpu"], gpus=ceilings["gpus"])
+    mode = "ranks" if opts.ranks > 1 else "single"
+    found = targets(rows, opts.ranks, opts.spec.kind, opts.device)
     return {
-        "schema": 1, "mode": "ranks" if opts.ranks > 1 else "single", "device": opts.device,
-        "state": {"description": opts.spec.describe(), "kind": opts.spec.kind, "bytes_per_rank": opts.spec.nbytes(),
+        "schema": 1, "mode": mode, "device": opts.device,
+        "state": {"description": opts.spec.summary(), "kind": opts.spec.kind, "bytes_per_rank": opts.spec.nbytes(),
                   "size_bytes": opts.spec.size_bytes, "tensors": opts.spec.tensors, "tensor_kib": opts.spec.tensor_kib,
                   "seed": opts.spec.seed, "ranks": opts.ranks},
-        "repeat": opts.repeat,
-        "cold": {"method": method.value, "label": cache.label(method, worst), "worst_resident_fraction": worst},
-        "ceilings": ceilings, "rows": rows, "speedups": speedups(rows), "targets": targets(rows, opts.ranks, opts.spec.kind),
+        "repeat": opts.repeat, "ckptstream_settings": _ckptstream_settings(raw),
+        "cold": {"method": method.value, "label": cache.cold_label(method, worst), "worst_resident_fraction": worst},
+        "ceilings": ceilings, "rows": rows, "speedups": speedups(rows), "verify_cost": verify_cost(rows),
+        "targets": found, "targets_set_for": TARGETS_SET_FOR[mode] if found else None,
         "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info, "raw": raw,
     }
 

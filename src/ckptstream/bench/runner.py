@@ -16,15 +16,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import cache, machine
+from .formats import format_bytes
 from .multirank import rank_envs
-from .options import BenchError, Options, describe_bytes
+from .options import BenchError, Options
 from .systems import unavailable
 
 Results = list[dict[str, Any]]  # one result per rank
 MARGIN = 256 << 20
 
 
-def say(message: str) -> None:
+def progress(message: str) -> None:
+    """A progress line of the parent process on stderr (the table goes to stdout)."""
     print(f"ckptstream bench: {message}", file=sys.stderr, flush=True)
 
 
@@ -35,8 +37,8 @@ def check_resources(opts: Options, nbytes: int) -> None:
     free = shutil.disk_usage(opts.dir).free
     if free < need:
         raise BenchError(
-            f"not enough free disk space in {opts.dir}: the benchmark writes up to {describe_bytes(need)} "
-            f"(about 2x the {describe_bytes(nbytes)} of state), but only {describe_bytes(free)} is free. "
+            f"not enough free disk space in {opts.dir}: the benchmark writes up to {format_bytes(need)} "
+            f"(about 2x the {format_bytes(nbytes)} of state), but only {format_bytes(free)} is free. "
             "Free some space, point --dir at a larger file system, or lower --size-gib."
         )
     # on the CPU a process holds its state, the loaded copy and a peer's full host copy
@@ -44,22 +46,20 @@ def check_resources(opts: Options, nbytes: int) -> None:
     available = machine.available_memory()
     if available is not None and available < factor * nbytes:
         # only a warning: some virtual machines report memory that grows as it is used
-        say(f"warning: the run may need about {describe_bytes(factor * nbytes)} of host memory ({factor:g}x the "
-            f"{describe_bytes(nbytes)} of state on {opts.device}) and {describe_bytes(available)} is available now; "
-            "lower --size-gib if a process is killed")
+        progress(f"warning: the run may need about {format_bytes(factor * nbytes)} of host memory ({factor:g}x the "
+                 f"{format_bytes(nbytes)} of state on {opts.device}) and {format_bytes(available)} is available now; "
+                 "lower --size-gib if a process is killed")
 
 
-def plan_systems(opts: Options, notes: list[str]) -> list[str]:
+def runnable_systems(opts: Options, notes: list[str]) -> list[str]:
     """The systems that can run here; each one that cannot gets a note instead."""
     names = []
     for name in opts.systems:
         reason = unavailable(name)
         if reason is None:
             names.append(name)
-            continue
-        notes.append(reason)
-        if name == "ckptstream" and "engine" not in opts.systems:
-            names.append("engine")
+        else:
+            notes.append(reason)
     return names
 
 
@@ -139,13 +139,14 @@ def errors_of(results: Results) -> str | None:
 
 
 def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str, Any]:
+    """The job of one kind ("ceilings", "system", "sweep") that the worker processes read."""
     spec = opts.spec
     return {
         "kind": kind, "device": opts.device, "repeat": opts.repeat, "cold": cold.value,
         "spec": {"size_bytes": spec.size_bytes, "tensors": spec.tensors, "tensor_kib": spec.tensor_kib, "seed": spec.seed},
         "dir": os.path.join(work, kind), "threads": list(opts.threads),
         "hot_threads": [] if opts.ranks > 1 else list(opts.hot_threads),
-        "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "grid": opts.sweep_grid,
+        "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "sweep_axes": opts.sweep_axes, "staging": opts.staging,
     }
 
 
@@ -165,33 +166,33 @@ def run_all(opts: Options) -> dict[str, Any]:
     """Ceilings, then each system, each in its own process(es). Returns the raw results."""
     nbytes = opts.total_bytes
     check_resources(opts, nbytes)
-    cold = cache.resolve(opts.cold, gentle=opts.quick)
+    cold = cache.cold_method(opts.cold, gentle=opts.quick)
     notes: list[str] = []
-    names = plan_systems(opts, notes)
+    names = runnable_systems(opts, notes)
     for note in notes:
-        say(note)
+        progress(note)
     if machine.mount_of(opts.dir)["fs_type"] in ("tmpfs", "ramfs"):
         notes.append(f"{opts.dir} is in memory ({machine.mount_of(opts.dir)['fs_type']}): the 'disk' figures measure RAM")
     raw: dict[str, Any] = {"cold_method": cold.value, "notes": notes, "systems": {}, "failed": {}}
     who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
-    say(f"{who}{opts.spec.describe()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
+    progress(f"{who}{opts.spec.summary()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
     with workspace(opts) as work:
-        # the disk drifts within minutes (the anchors: 2.39 then 2.11 GB/s): measure the ceilings
-        # before and after the systems, and compare each system with the median of both
+        # a disk's rate drifts within minutes: measure the ceilings before and after the systems,
+        # and compare each system with the median of both
         steps = [("ceilings", None)] + [("system", n) for n in names] + ([] if opts.quick else [("ceilings", None)])
         for i, (kind, name) in enumerate(steps, 1):
-            say(f"[{i}/{len(steps)}] {name or 'raw disk and copy ceilings'}")
+            progress(f"[{i}/{len(steps)}] {name or 'raw disk and copy ceilings'}")
             job = base_job(opts, kind, work, cold)
             if name is not None:
                 job.update(system=name, dir=os.path.join(work, name))
             results = spawn(job, opts.ranks, work)
             error = errors_of(results)
             if error:
-                say(f"{name or kind} failed: {error}")
+                progress(f"{name or kind} failed: {error}")
                 raw["failed"][name or kind] = error
             skipped = next((r["skipped"] for r in results if "skipped" in r), None)
             if skipped:
-                say(skipped)
+                progress(skipped)
                 notes.append(skipped)
             elif kind == "ceilings":
                 raw["ceilings"] = _merge_ceilings(raw.get("ceilings"), results)

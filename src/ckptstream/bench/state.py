@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from .formats import GiB, KiB
+
 State = dict[str, Any]
-GiB = 1 << 30
-MiB = 1 << 20
 # bf16 weight + fp32 master + fp32 exp_avg + fp32 exp_avg_sq
 BYTES_PER_PARAM = 2 + 4 + 4 + 4
 N_CTX = 1024
@@ -35,7 +35,7 @@ class StateSpec:
             raise ValueError(f"state sizes must be >= 0, got {self}")
         if self.tensors and not self.tensor_kib:
             raise ValueError("--tensors N needs --tensor-kib K (the size of each tensor)")
-        if not self.tensors and self.size_bytes < 64 * 1024:
+        if not self.tensors and self.size_bytes < 64 * KiB:
             raise ValueError(f"a GPT-like state needs at least 64 KiB, got {self.size_bytes} bytes")
 
     @property
@@ -45,11 +45,12 @@ class StateSpec:
     def nbytes(self) -> int:
         """Exact bytes of the tensors that ``build_state`` makes (without building them)."""
         if self.tensors:
-            return self.tensors * self.tensor_kib * 1024
+            return self.tensors * self.tensor_kib * KiB
         d, layers, vocab = gpt_dims(self.size_bytes)  # what gpt_shapes lists, without listing it
         return BYTES_PER_PARAM * ((vocab + N_CTX + 2) * d + layers * (12 * d * d + 13 * d))
 
-    def describe(self) -> str:
+    def summary(self) -> str:
+        """One line for progress and reports: the kind of state, its shape and size."""
         if self.tensors:
             return f"{self.tensors} x {self.tensor_kib} KiB fp32 tensors"
         d, layers, vocab = gpt_dims(self.size_bytes)
@@ -103,7 +104,7 @@ def build_state(spec: StateSpec, device: str | torch.device) -> State:
 
     with torch.no_grad():
         if spec.tensors:
-            n = spec.tensor_kib * 1024 // 4
+            n = spec.tensor_kib * KiB // 4
             small = {f"t{i:06d}": randn((n,)) for i in range(spec.tensors)}
             return {"model": small, "step": 1000 + spec.seed}
         model, master, exp_avg, exp_avg_sq = {}, {}, {}, {}
@@ -128,7 +129,8 @@ def iter_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
             yield from iter_tensors(value, f"{prefix}.{key}" if prefix else str(key))
 
 
-def flatten(state: Any) -> dict[str, torch.Tensor]:
+def flat_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """{dotted name: tensor} of the state's tensors: the flat dict safetensors saves."""
     return dict(iter_tensors(state))
 
 
@@ -149,7 +151,7 @@ def empty_like_state(state: Any, device: str | torch.device | None = None, *, re
 
 def assert_same(expected: State, got: Any, what: str) -> None:
     """Raise when a loaded state differs from the saved one (a benchmark of a wrong load is void)."""
-    want, have = flatten(expected), flatten(got)
+    want, have = flat_tensors(expected), flat_tensors(got)
     if want.keys() != have.keys():
         missing, extra = sorted(want.keys() - have.keys())[:3], sorted(have.keys() - want.keys())[:3]
         raise AssertionError(f"{what}: loaded tensor names differ (missing {missing}, unexpected {extra})")

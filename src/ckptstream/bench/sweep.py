@@ -17,27 +17,45 @@ import torch
 
 import ckptstream
 
-from .._buffers import POOL
 from . import cache
 from .cache import Cold
+from .ceilings import run_ceilings
+from .formats import MiB, format_bytes, table
+from .job import Job, say, spec_of
 from .measure import timed
 from .multirank import Group
-from .options import describe_bytes
-from .state import MiB
-from .text import table
-from .worker import Job, run_ceilings, say, spec_of
 
 
-def grid(job: Job) -> list[dict[str, Any]]:
-    g = job["grid"]
+def staging_configurations(axes: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every combination of the sweep's axes (``Options.sweep_axes``) worth measuring."""
     choices: dict[str, list[bool | None]] = {"auto": [None], "on": [True], "both": [None, True]}
-    direct = choices[g["direct_io"]]
+    combos = itertools.product(axes["buffer_mib"], axes["num_buffers"], axes["io_threads"], choices[axes["direct_io"]])
     return [{"buffer_size": b * MiB, "num_buffers": n, "io_threads": t, "read_direct_io": d}
-            for b, n, t, d in itertools.product(g["buffer_mib"], g["num_buffers"], g["io_threads"], direct) if t <= n]
+            for b, n, t, d in combos if t <= n]
 
 
-def run_job(job: Job, group: Group) -> dict[str, Any]:
-    spec, cold = spec_of(job, group), Cold(job["cold"])
+def _measure(cfg: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, path: str, job: Job, group: Group) -> dict[str, Any]:
+    """GB/s of write, cold read and hot read with the staging settings ``cfg`` (median of runs)."""
+    calls = {"buffer_size": cfg["buffer_size"], "num_buffers": cfg["num_buffers"]}
+    runs: dict[str, list[float]] = {"write": [], "cold": [], "hot": []}
+    for _ in range(job["repeat"]):
+        with ckptstream.settings(io_threads=cfg["io_threads"]):
+            runs["write"].append(timed(partial(ckptstream.device_to_file, src, path, **calls), group.device)[0])
+            ckptstream.release_staging()  # each configuration allocates (and is charged for) its own buffers
+            read = partial(ckptstream.file_to_device, path, dst, **calls)
+            with ckptstream.settings(direct_io=cfg["read_direct_io"]):
+                cache.evict(Cold(job["cold"]), [path])
+                runs["cold"].append(timed(read, group.device)[0])
+                if not torch.equal(src, dst):
+                    raise AssertionError(f"sweep {cfg}: the data read back differs from what was written")
+                runs["hot"].append(timed(read, group.device)[0])
+            ckptstream.release_staging()
+    return dict(cfg, **{k: src.nbytes / statistics.median(v) / 1e9 for k, v in runs.items()})
+
+
+def run_sweep(job: Job, group: Group) -> dict[str, Any]:
+    """The worker's side of --sweep: the ceilings, then every staging configuration."""
+    spec = spec_of(job, group)
     nbytes = spec.nbytes()  # one tensor (the parent makes the spec so)
     limits = run_ceilings(dict(job, repeat=1), group)  # same bytes, same process, same minute
     gen = torch.Generator(device=group.device)
@@ -45,27 +63,13 @@ def run_job(job: Job, group: Group) -> dict[str, Any]:
     src = torch.randn(nbytes // 4, generator=gen, device=group.device)
     dst = torch.empty_like(src)
     path = os.path.join(job["dir"], f"sweep.rank{group.rank}.bin")
-    configs = grid(job)
+    configs = staging_configurations(job["sweep_axes"])
     rows = []
     try:
         for i, cfg in enumerate(configs, 1):
-            calls = {"buffer_size": cfg["buffer_size"], "num_buffers": cfg["num_buffers"]}
-            runs: dict[str, list[float]] = {"write": [], "cold": [], "hot": []}
-            for _ in range(job["repeat"]):
-                with ckptstream.settings(io_threads=cfg["io_threads"]):
-                    runs["write"].append(timed(partial(ckptstream.device_to_file, src, path, **calls), group.device)[0])
-                    POOL.release_all()  # each configuration allocates (and is charged for) its own buffers
-                    read = partial(ckptstream.file_to_device, path, dst, **calls)
-                    with ckptstream.settings(direct_io=cfg["read_direct_io"]):
-                        cache.evict(cold, [path])
-                        runs["cold"].append(timed(read, group.device)[0])
-                        if not torch.equal(src, dst):
-                            raise AssertionError(f"sweep {cfg}: the data read back differs from what was written")
-                        runs["hot"].append(timed(read, group.device)[0])
-                    POOL.release_all()
-            row = dict(cfg, **{k: nbytes / statistics.median(v) / 1e9 for k, v in runs.items()})
+            row = _measure(cfg, src, dst, path, job, group)
             rows.append(row)
-            say(group, f"sweep {i}/{len(configs)}: {describe(row)}: write {row['write']:.2f}, "
+            say(group, f"sweep {i}/{len(configs)}: {staging_summary(row)}: write {row['write']:.2f}, "
                        f"cold read {row['cold']:.2f}, hot read {row['hot']:.2f} GB/s")
     finally:
         if os.path.exists(path):
@@ -73,12 +77,14 @@ def run_job(job: Job, group: Group) -> dict[str, Any]:
     return {"bytes": nbytes, "ceilings": limits, "rows": rows}
 
 
-def describe(cfg: dict[str, Any]) -> str:
+def staging_summary(cfg: dict[str, Any]) -> str:
+    """"8 x 16 MiB, 8 I/O threads" (and whether reads bypass the page cache)."""
     direct = {None: "", True: ", O_DIRECT reads"}[cfg["read_direct_io"]]
     return f"{cfg['num_buffers']} x {cfg['buffer_size'] // MiB} MiB, {cfg['io_threads']} I/O threads{direct}"
 
 
-def render(result: dict[str, Any], ceiling: dict[str, Any], device: str, cold: str) -> str:
+def render_sweep(result: dict[str, Any], ceiling: dict[str, Any], device: str, cold: str) -> str:
+    """The printed table of a sweep: each configuration's rates and their ratios to the ceilings."""
     w, r, h = (ceiling.get(k, {}).get("gbps") for k in ("write", "read", "hot"))
 
     def rel(value: float, limit: float | None) -> str:
@@ -88,11 +94,11 @@ def render(result: dict[str, Any], ceiling: dict[str, Any], device: str, cold: s
               "direct" if c["read_direct_io"] else "buffered",
               f"{c['write']:.2f}", rel(c["write"], w), f"{c['cold']:.2f}", rel(c["cold"], r), f"{c['hot']:.2f}", rel(c["hot"], h)]
              for c in result["rows"]]
-    head = [f"sweep: one {describe_bytes(result['bytes'])} tensor on {device}; loads {cold}; ceilings: write "
+    head = [f"sweep: one {format_bytes(result['bytes'])} tensor on {device}; loads {cold}; ceilings: write "
             f"{w or 0:.2f}, read {r or 0:.2f}, hot {h or 0:.2f} GB/s"]
-    grid_lines = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
-                    "hot GB/s", "/hot"], lines)
-    best = [f"best {k}: {describe(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
+    rows = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
+                  "hot GB/s", "/hot"], lines)
+    best = [f"best {k}: {staging_summary(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
     defaults = ckptstream.current_settings()
     best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, {defaults.io_threads} I/O threads")
-    return "\n".join(head + grid_lines + [""] + best)
+    return "\n".join(head + rows + [""] + best)

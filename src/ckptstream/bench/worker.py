@@ -1,8 +1,9 @@
 """One benchmark process: ``python -m ckptstream.bench.worker JOB.json``.
 
 It builds its own state from the job's seed (so its peak RSS is its own), runs one system or
-the ceilings or the sweep, and writes its raw timings to the job's result file. With the
-torchrun variables set (RANK, WORLD_SIZE, ...) it is one rank of a multi-rank run.
+the ceilings or the sweep, with the ckptstream settings of the command line (--buffer-mib, ...),
+and writes its raw timings to the job's result file. With the torchrun variables set (RANK,
+WORLD_SIZE, ...) it is one rank of a multi-rank run.
 """
 
 from __future__ import annotations
@@ -15,36 +16,27 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-from .._buffers import POOL
-from . import cache, ceilings
+import ckptstream
+
+from . import cache
 from .cache import Cold
+from .ceilings import run_ceilings
+from .formats import short_number
+from .job import Job, say, spec_of
 from .measure import PeakRss, release_memory, synchronize, timed, touch
 from .multirank import Group
-from .state import StateSpec, assert_same, build_state, empty_like_state, iter_tensors, state_nbytes
+from .state import assert_same, build_state, empty_like_state, iter_tensors, state_nbytes
+from .sweep import run_sweep
 from .systems import SYSTEMS, System, Variant, not_installed
-from .text import num
 
-HOT_RUNS = 9  # hot loads per variant (the median is reported): single ones swing by +-10%
-
-Job = dict[str, Any]
+HOT_RUNS = 9  # hot loads per variant (the median is reported): single ones swing by more than verifying costs
 
 
-def say(group: Group, message: str) -> None:
-    if group.lead:
-        print(f"  {message}", file=sys.stderr, flush=True)
-
-
-def spec_of(job: Job, group: Group) -> StateSpec:
-    spec = StateSpec(**job["spec"])
-    # every rank its own data: equal data on all ranks could be deduplicated somewhere below
-    return StateSpec(spec.size_bytes, spec.tensors, spec.tensor_kib, spec.seed + group.rank)
-
-
-def phase(group: Group, fn: Callable[[], Any], evict: list[str] | None, cold: Cold) -> tuple[dict[str, Any], Any]:
-    """Run ``fn`` on all ranks at once (barrier-aligned), after evicting ``evict`` from the cache."""
+def timed_phase(group: Group, fn: Callable[[], Any], evict: list[str] | None, cold: Cold) -> tuple[dict[str, Any], Any]:
+    """Run ``fn`` on all ranks at once (barrier-aligned), after evicting ``evict`` from the cache;
+    its seconds, peak RSS growth and the staging ckptstream held."""
     record: dict[str, Any] = {}
     group.barrier()
     if evict is not None:
@@ -55,8 +47,8 @@ def phase(group: Group, fn: Callable[[], Any], evict: list[str] | None, cold: Co
     group.barrier()
     with PeakRss() as rss:
         record["seconds"], out = timed(fn, group.device)
-    record.update(rss=rss.growth, rss_method=rss.method, staging=POOL.idle_bytes())
-    POOL.release_all()  # so that the next phase's RSS includes the staging it allocates itself
+    record.update(rss=rss.growth, rss_method=rss.method, staging=ckptstream.staging_bytes())
+    ckptstream.release_staging()  # so that the next phase's RSS includes the staging it allocates itself
     group.barrier()
     return record, out
 
@@ -74,18 +66,20 @@ def _clear(path: str, group: Group, shared: bool) -> None:
 
 def _report(group: Group, what: str, rec: dict[str, Any], nbytes: int) -> None:
     extra = f", {rec['resident']:.0%} cached before" if rec.get("resident") is not None else ""
-    say(group, f"{what}: {num(nbytes / rec['seconds'] / 1e9)} GB/s ({num(rec['seconds'])} s), "
+    say(group, f"{what}: {short_number(nbytes / rec['seconds'] / 1e9)} GB/s ({short_number(rec['seconds'])} s), "
                f"peak RSS +{rec['rss'] / 2**20:.0f} MiB{extra}")
 
 
 def run_system(job: Job, group: Group) -> dict[str, Any]:
+    """Save and load the state with one system, ``job["repeat"]`` times; each variant's loads
+    cold after each save, hot several times (see HOT_RUNS)."""
     system: System = SYSTEMS[job["system"]]
     try:
         importlib.import_module(system.module)  # before the clock: importing DCP alone takes seconds
     except ImportError as e:
         return {"skipped": not_installed(system.name, e)}
     spec, cold = spec_of(job, group), Cold(job["cold"])
-    say(group, f"{system.name}: building the state ({spec.describe()}) on {job['device']}")
+    say(group, f"{system.name}: building the state ({spec.summary()}) on {job['device']}")
     state = build_state(spec, group.device)
     synchronize(group.device)
     nbytes = state_nbytes(state)
@@ -117,7 +111,7 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     try:
         for r in range(job["repeat"]):
             _clear(path, group, shared)
-            rec, _ = phase(group, lambda: system.save(state, path, world), None, cold)
+            rec, _ = timed_phase(group, lambda: system.save(state, path, world), None, cold)
             runs["save"].append(rec)
             _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
             files = cache.files_under(path)
@@ -130,7 +124,14 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
                         load(v, "hot", files, f"{r * hot_rounds + h + 1}/{job['repeat'] * hot_rounds}")
     finally:
         _clear(path, group, shared)
-    return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs, "load_errors": errors}
+    return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs, "load_errors": errors,
+            "settings": _staging_in_force()}
+
+
+def _staging_in_force() -> dict[str, int]:
+    """The ckptstream settings this process ran with (--buffer-mib and the like, or the defaults)."""
+    current = ckptstream.current_settings()
+    return {"buffer_size": current.buffer_size, "num_buffers": current.num_buffers, "io_threads": current.io_threads}
 
 
 def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | None, cold: Cold, temp: str) -> dict[str, Any]:
@@ -139,69 +140,16 @@ def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | No
 
     def load() -> Any:
         out = v.load(path, target, group.device, group.world)
-        touch(out)  # a lazy loader has loaded once every page was read
+        touch(out)  # a lazily mapped load has finished only once its bytes are in memory
         return out
 
-    rec, out = phase(group, load, evict, cold)
+    rec, out = timed_phase(group, load, evict, cold)
     assert_same(state, out, f"{v.label} ({temp} load of {path})")
     return rec
 
 
-def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
-    nbytes, cold = spec_of(job, group).nbytes(), Cold(job["cold"])
-    block = ceilings.block_for(nbytes)
-    os.makedirs(job["dir"], exist_ok=True)
-    path = os.path.join(job["dir"], f"raw.rank{group.rank}")
-    threads, hot_threads = job["threads"], job["hot_threads"]
-    out: dict[str, Any] = {"bytes": nbytes, "block": block, "resident": []}
-    for kind in ("write", "read", "hot"):
-        out[kind] = {str(t): [] for t in (hot_threads if kind == "hot" else threads)}
-
-    def measure(kind: str, t: int, fn: Callable[[], float]) -> None:
-        group.barrier()
-        seconds = fn()
-        group.barrier()
-        out[kind][str(t)].append(seconds)
-        say(group, f"ceiling {kind}, {t} thread(s): {num(nbytes / seconds / 1e9)} GB/s ({num(seconds)} s)")
-
-    try:
-        for _ in range(job["repeat"]):
-            for t in threads:
-                def write(t: int = t) -> float:
-                    seconds, out["direct"] = ceilings.raw_write(path, nbytes, t, block)
-                    return seconds
-                measure("write", t, write)
-            for t in threads:
-                cache.evict(cold, [path], lead=group.lead)
-                group.barrier()
-                out["resident"].append(cache.resident_fraction([path]))
-                measure("read", t, partial(ceilings.raw_read, path, nbytes, t, block, direct=True))
-            if hot_threads:
-                ceilings.raw_read(path, nbytes, max(hot_threads), block, direct=False)  # fill the cache
-                for t in hot_threads:
-                    measure("hot", t, partial(ceilings.raw_read, path, nbytes, t, block, direct=False))
-        if group.cuda:
-            out["copy"] = ceilings.copy_rates(group.device, nbytes)
-            import torch
-
-            out["gpu"] = torch.cuda.get_device_name(group.device)
-            out["gpus"] = torch.cuda.device_count()
-            if out["copy"]:
-                say(group, "ceiling copies (pinned): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s".format(**out["copy"]))
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-    return out
-
-
-def _run_sweep(job: Job, group: Group) -> dict[str, Any]:
-    from . import sweep
-
-    return sweep.run_job(job, group)
-
-
 JOBS: dict[str, Callable[[Job, Group], dict[str, Any]]] = {
-    "system": run_system, "ceilings": run_ceilings, "sweep": _run_sweep,
+    "system": run_system, "ceilings": run_ceilings, "sweep": run_sweep,
 }
 
 
@@ -218,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"rank": group.rank, "world": group.world}
     rc = 1
     try:
-        with group.joined():
+        with group.joined(), ckptstream.settings(**job.get("staging", {})):
             result.update(JOBS[job["kind"]](job, group))
         rc = 0
     except KeyboardInterrupt:
