@@ -94,10 +94,14 @@ def interrupts_deferred(stop: Callable[[], None] | None = None) -> Iterator[None
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # the scope is closed first: a signal still pending while the default handler comes back
+        # raises KeyboardInterrupt right here, which is what closing would raise anyway
         _scope = None
-        if scope.interrupted:
-            raise KeyboardInterrupt  # chained to an exception the block raised, if any
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        finally:
+            if scope.interrupted:
+                raise KeyboardInterrupt  # chained to an exception the block raised, if any
 
 
 def join(threads: list[threading.Thread]) -> None:

@@ -1,0 +1,136 @@
+"""Child of test_interrupts.py: saves and loads, each interrupted by two or three real SIGINTs
+0.1-10 ms apart at a random moment, as a user pressing Ctrl-C twice would.
+
+After each interrupt it checks, at the moment the KeyboardInterrupt reaches the caller: no
+ckptstream thread is alive, every staging buffer is back in the pool, no descriptor of a file is
+left open, no temp file is left, the old checkpoint is still a complete one; and a file opened
+right afterwards (which reuses the freed descriptor numbers) receives no stray write.
+
+Usage: child_interrupts.py DIR ROUNDS SEED; prints one JSON line of counts; exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import ckptstream
+from ckptstream import _fileio
+from ckptstream._engine.buffers import POOL
+
+SMALL = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
+
+
+def slowed(fn):  # type: ignore[no-untyped-def]
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.001)  # each chunk takes a millisecond: the interrupts land mid-transfer
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def file_fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
+            out[int(name)] = target
+    return out
+
+
+def signaller(count: int, rng: random.Random, window: float) -> threading.Thread:
+    def run() -> None:
+        time.sleep(rng.uniform(0, window))
+        for i in range(count):
+            if i:
+                time.sleep(rng.uniform(0.0001, 0.010))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=run, name="test-signaller")
+    thread.start()
+    return thread
+
+
+def settle(thread: threading.Thread) -> None:
+    """Wait for the signaller, then until 50 ms pass without an interrupt: the kernel may run a
+    signal's handler a little after kill() returned, in whatever thread it picked."""
+    quiet_since = time.monotonic()
+    while thread.is_alive() or time.monotonic() - quiet_since < 0.05:
+        try:
+            thread.join(0.005)
+            time.sleep(0.005)
+        except KeyboardInterrupt:
+            quiet_since = time.monotonic()
+
+
+def snapshot(directory: str) -> dict[str, object]:
+    return {
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstream")),
+        "in_use": POOL.in_use,
+        "fds": file_fds(),
+        "temps": sorted(n for n in os.listdir(directory) if "tmp" in n),
+    }
+
+
+def main() -> int:
+    directory, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rng = random.Random(seed)
+    _fileio.pwrite_all = slowed(_fileio.pwrite_all)  # type: ignore[assignment]
+    _fileio.pread_into = slowed(_fileio.pread_into)  # type: ignore[assignment]
+    state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
+    path = os.path.join(directory, "ckpt.safetensors")
+    ckptstream.save(state, path, **SMALL)
+    baseline = file_fds()
+    counts = {"interrupted": 0, "completed": 0, "failures": []}
+    for r in range(rounds):
+        op = "save" if r % 2 == 0 else "load"
+        thread = signaller(rng.choice((2, 3)), rng, window=0.03)
+        seen = None
+        try:
+            if op == "save":
+                ckptstream.save(state, path, **SMALL)
+            else:
+                ckptstream.load(path, **SMALL)
+        except KeyboardInterrupt:
+            while seen is None:  # a later signal of the same burst may land in here: take it again
+                try:
+                    seen = snapshot(directory)
+                except KeyboardInterrupt:
+                    pass
+        settle(thread)
+        if seen is None:
+            counts["completed"] += 1
+            continue
+        counts["interrupted"] += 1
+        problems = []
+        if seen["threads"] or seen["in_use"] or seen["temps"]:
+            problems.append(f"{op}: at the interrupt {seen}")
+        if seen["fds"] != baseline:
+            problems.append(f"{op}: descriptors {seen['fds']} vs {baseline}")
+        probe = os.path.join(directory, "probe.bin")
+        with open(probe, "wb") as f:  # takes the lowest free descriptor: a freed one
+            f.write(b"p" * 4096)
+        time.sleep(0.01)
+        with open(probe, "rb") as f:
+            if f.read() != b"p" * 4096:
+                problems.append(f"{op}: a file opened after the interrupt was written to")
+        try:
+            ckptstream.verify(path)
+        except Exception as e:  # noqa: BLE001 (any failure is the finding)
+            problems.append(f"{op}: the checkpoint is no longer complete: {e}")
+        counts["failures"] += problems  # type: ignore[operator]
+    print(json.dumps(counts))
+    return 1 if counts["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
