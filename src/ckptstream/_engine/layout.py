@@ -68,31 +68,87 @@ def row_major_blocks(t: torch.Tensor, e0: int, e1: int) -> Iterator[torch.Tensor
         yield from row_major_blocks(t[end_full], 0, e1 - end_full * row)
 
 
+def _gather(t: torch.Tensor, e0: int, e1: int, out: torch.Tensor) -> None:
+    """Copy ``t``'s elements e0..e1 (row-major) into the 1-d tensor ``out``."""
+    pos = 0
+    for block in row_major_blocks(t, e0, e1):
+        out[pos : pos + block.numel()].view(block.shape).copy_(block)
+        pos += block.numel()
+
+
+def _scatter(src: torch.Tensor, t: torch.Tensor, e0: int, e1: int) -> None:
+    """Copy the 1-d tensor ``src`` into ``t``'s elements e0..e1 (row-major)."""
+    pos = 0
+    for block in row_major_blocks(t, e0, e1):
+        block.copy_(src[pos : pos + block.numel()].view(block.shape))
+        pos += block.numel()
+
+
+def _in_place(t: torch.Tensor, staged: torch.Tensor, lo: int, hi: int) -> tuple[int, int] | None:
+    """The whole elements w0..w1 of ``t``'s bytes lo..hi, where the staging bytes can hold them
+    as ``t``'s dtype in place (same device, aligned); None where they cannot."""
+    esz = t.element_size()
+    w0, w1 = -(-lo // esz), hi // esz
+    if t.device != staged.device or w0 > w1 or (staged.storage_offset() + w0 * esz - lo) % esz:
+        return None
+    return w0, w1
+
+
 def copy_out(t: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
-    """Copy logical bytes lo..hi of ``t`` into the uint8 tensor ``dst`` (asynchronously on CUDA)."""
+    """Copy logical bytes lo..hi of ``t`` into the uint8 tensor ``dst`` (asynchronously on CUDA).
+
+    A host tensor's whole elements go straight into ``dst``; elements cut by lo or hi, and a
+    device tensor's bytes, through a temporary of the range's size on its device.
+    """
     if t.is_contiguous():
         dst.copy_(flat_bytes(t)[lo:hi], non_blocking=True)
         return
     esz = t.element_size()
     e0, e1 = lo // esz, -(-hi // esz)
-    tmp = torch.empty(e1 - e0, dtype=t.dtype, device=t.device)
-    pos = 0
-    for block in row_major_blocks(t, e0, e1):
-        tmp[pos : pos + block.numel()].view(block.shape).copy_(block)
-        pos += block.numel()
-    dst.copy_(tmp.view(torch.uint8)[lo - e0 * esz : hi - e0 * esz], non_blocking=True)
+    whole = _in_place(t, dst, lo, hi)
+    if whole is None:
+        tmp = torch.empty(e1 - e0, dtype=t.dtype, device=t.device)
+        _gather(t, e0, e1, tmp)
+        dst.copy_(tmp.view(torch.uint8)[lo - e0 * esz : hi - e0 * esz], non_blocking=True)
+        return
+    w0, w1 = whole
+    _gather(t, w0, w1, dst[w0 * esz - lo : w1 * esz - lo].view(t.dtype))
+    for cut in [e0] * (lo % esz > 0) + [e1 - 1] * (hi % esz > 0):  # elements only partly in lo..hi
+        one = torch.empty(1, dtype=t.dtype)
+        _gather(t, cut, cut + 1, one)
+        a, b = max(lo, cut * esz), min(hi, (cut + 1) * esz)
+        dst[a - lo : b - lo].copy_(one.view(torch.uint8)[a - cut * esz : b - cut * esz])
 
 
 def copy_in(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.Tensor | None) -> None:
     """Copy the uint8 tensor ``src`` into logical bytes lo..hi of ``t``.
 
     For a non-contiguous ``t`` the pieces of one tensor must arrive in order, with the same
-    ``carry`` (a uint8 tensor of one element's size on t's device).
+    ``carry`` (a uint8 tensor of one element's size on t's device), which holds the leading
+    bytes of an element cut by a piece's end until the next piece completes it. A host tensor's
+    whole elements come straight from ``src``; a device tensor's through a temporary.
     """
     if t.is_contiguous():
         flat_bytes(t)[lo:hi].copy_(src, non_blocking=True)
         return
     assert carry is not None
+    esz = t.element_size()
+    whole = _in_place(t, src, lo, hi)
+    if whole is None:
+        _copy_in_through(src, t, lo, hi, carry)
+        return
+    w0, w1 = whole
+    head, tail = w0 * esz - lo, hi - w1 * esz
+    if head:  # completes the element before w0, whose first bytes wait in the carry
+        carry[esz - head :].copy_(src[:head])
+        _scatter(carry.view(t.dtype), t, w0 - 1, w0)
+    _scatter(src[head : head + (w1 - w0) * esz].view(t.dtype), t, w0, w1)
+    if tail:
+        carry[:tail].copy_(src[hi - lo - tail :])
+
+
+def _copy_in_through(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.Tensor) -> None:
+    """copy_in through a temporary of the range's size on t's device."""
     esz = t.element_size()
     e0, e1 = lo // esz, -(-hi // esz)
     tmp = torch.empty((e1 - e0) * esz, dtype=torch.uint8, device=t.device)
@@ -101,11 +157,7 @@ def copy_in(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.T
         tmp[:head].copy_(carry[:head])
     tmp[head : head + hi - lo].copy_(src, non_blocking=True)
     complete = hi // esz  # elements before this index are whole now
-    elems = tmp.view(t.dtype)
-    pos = 0
-    for block in row_major_blocks(t, e0, complete):
-        block.copy_(elems[pos : pos + block.numel()].view(block.shape))
-        pos += block.numel()
+    _scatter(tmp.view(t.dtype), t, e0, complete)
     tail = hi - complete * esz
     if tail:
         carry[:tail].copy_(tmp[(complete - e0) * esz : hi - e0 * esz])

@@ -1,0 +1,101 @@
+"""Child of test_memory.py: peak host RSS of one save, load or load_into of a CPU state.
+
+Usage: child_memory.py OP DIR MIB; prints one JSON line: the peak RSS growth over the RSS just
+before the operation, the staging the operation held, and the state's bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+import ckptstream
+
+SETTINGS = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}  # 16 MiB of staging
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Peak:
+    """Peak RSS: the kernel's high-water mark where it can be reset, else sampled every 0.5 ms."""
+
+    def __enter__(self) -> Peak:
+        gc.collect()
+        self.base = rss()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.sampler = None
+        except OSError:
+            self.peak, self.stop = self.base, threading.Event()
+            self.sampler = threading.Thread(target=self._sample)
+            self.sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.0005):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sampler is None:
+            with open("/proc/self/status") as f:
+                self.peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        else:
+            self.stop.set()
+            self.sampler.join()
+
+
+def state(mib: int) -> dict[str, object]:
+    n = mib * (1 << 20) // 4 // 4
+    w = torch.randn(n)
+    return {
+        "w": w,
+        "tied": w,  # the same tensor twice: stored once
+        "t": torch.randn(n // 1024, 1024).t(),  # non-contiguous
+        "rows": torch.randn(n // 512, 1024)[::2],  # a strided view into a larger storage
+        "h": torch.randn(n, dtype=torch.float64).view(-1, 2)[:, 1],  # every other element
+        "step": 7,
+    }
+
+
+def main() -> int:
+    op, directory, mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    path = os.path.join(directory, "s.safetensors")
+    s = state(mib)
+    nbytes = sum(v.numel() * v.element_size() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "tied")
+    if op != "save":
+        ckptstream.save(s, path, **SETTINGS)
+        ckptstream.release_staging()
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+    target["tied"] = target["w"]
+    for t in target.values():  # pages in memory already, as a live model's are
+        if isinstance(t, torch.Tensor):
+            t.fill_(1)
+    time.sleep(0.05)
+    with Peak() as peak:
+        if op == "save":
+            ckptstream.save(s, path, **SETTINGS)
+        elif op == "load":
+            out = ckptstream.load(path, **SETTINGS)
+        else:
+            ckptstream.load_into(target, path, **SETTINGS)
+        staging = ckptstream.staging_bytes()
+    if op == "load":
+        assert all(torch.equal(out[k], v) for k, v in s.items() if isinstance(v, torch.Tensor))
+    elif op == "load_into":
+        assert all(torch.equal(target[k], v) for k, v in s.items() if isinstance(v, torch.Tensor))
+    print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "state": nbytes}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
