@@ -51,8 +51,12 @@ _NAMES = {
     "F32": "float32", "U32": "uint32", "I32": "int32",
     "BF16": "bfloat16", "F16": "float16", "U16": "uint16", "I16": "int16",
     "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8",
+    "F4": "float4_e2m1fn_x2", "BOOL": "bool",
 }  # fmt: skip
+# safetensors counts F4 elements of 4 bits; torch's float4_e2m1fn_x2 packs two in one, so its
+# last dimension is half the header's
+_PACKED = {"F4": 2}
 DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
@@ -104,6 +108,11 @@ def layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Tens
     return infos
 
 
+def _header_shape(dtype: str, shape: tuple[int, ...]) -> list[int]:
+    packed = _PACKED.get(dtype, 1)
+    return [*shape[:-1], shape[-1] * packed] if packed > 1 else list(shape)
+
+
 def check_user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     metadata = dict(metadata or {})
     for key, value in metadata.items():
@@ -111,6 +120,11 @@ def check_user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
             raise TypeError(f"metadata must map str to str; got {key!r}: {type(value).__name__}")
         if key.startswith(PREFIX):
             raise ValueError(f"metadata key {key!r}: keys starting with {PREFIX!r} are reserved")
+        try:
+            (key + value).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"metadata {key!r}: holds a character that UTF-8 cannot encode ({e.reason}); "
+                             "store it as valid Unicode") from e
     return metadata
 
 
@@ -125,7 +139,8 @@ def encode(tensors: list[TensorInfo], metadata: Mapping[str, str], structure: st
         meta.update({CRC_KEY: "0" * 8 * len(tensors), HEADER_CRC_KEY: "0" * 8})
     table: dict[str, Any] = {"__metadata__": meta} if meta else {}
     for t in tensors:
-        table[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+        name = DTYPE_NAMES[t.dtype]
+        table[t.name] = {"dtype": name, "shape": _header_shape(name, t.shape), "data_offsets": [t.begin, t.end]}
     body = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode()
     size = round_up(8 + len(body), ALIGN) - 8
     if size > MAX_HEADER:
@@ -178,7 +193,7 @@ def decode(raw: bytes, file_size: int, path: str) -> Header:
         raise _corrupt(path, f"header is not valid JSON ({e})") from e
     if not isinstance(table, dict):
         raise _corrupt(path, f"header must be a JSON object, got {type(table).__name__}")
-    meta = table.pop("__metadata__", {})
+    meta = table.pop("__metadata__", None) or {}  # safetensors writes and reads null
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
     tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=lambda t: (t.begin, t.end))
@@ -247,27 +262,47 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: as non-standard as the Infinity constant
+        raise ValueError(f"number {text[:40]} is out of the range of a float")
+    return value
+
+
 def parse_json(text: str | bytes) -> Any:
-    """Strict JSON: no NaN/Infinity constants, no duplicate keys."""
-    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    """Strict JSON: no NaN/Infinity constants or numbers that overflow to them, no duplicate keys."""
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant,
+                      parse_float=_finite_float)
 
 
 def element_count(shape: list[int] | tuple[int, ...]) -> int | None:
-    """The number of elements of a tensor of ``shape``, or None where torch cannot hold it (its
-    sizes, strides or element count past int64). Stops early, so a hostile shape costs little."""
+    """The number of elements of a tensor of ``shape``, or None where torch cannot hold it (a
+    size past int64, or, with elements, strides or an element count past int64). Stops early, so
+    a hostile shape costs little."""
+    if any(d > INT64_MAX for d in shape):
+        return None
+    if 0 in shape:
+        return 0  # no elements: torch takes any sizes, given strides (see empty_tensor)
     product = 1
     for d in shape:
-        product *= max(d, 1)  # what torch's contiguous strides multiply
+        product *= d
         if product > INT64_MAX:
             return None
-    return 0 if 0 in shape else product
+    return product
+
+
+def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, also for shapes without elements whose contiguous strides would overflow."""
+    if 0 in shape:
+        return torch.empty(0, dtype=dtype, device=device).as_strided(shape, [1] * len(shape))
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _entry(path: str, name: str, raw: Any) -> TensorInfo:
     where = f"tensor {name!r}"
-    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+    if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= set(raw):
         raise _corrupt(path, f"{where}: expected an object with dtype, shape and data_offsets, got {raw!r:.200}")
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]  # other fields: ignored, as safetensors does
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, f"{where}: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
@@ -275,12 +310,17 @@ def _entry(path: str, name: str, raw: Any) -> TensorInfo:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
         raise _corrupt(path, f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
-    info = TensorInfo(name, DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
-    count = element_count(shape)
+    packed = _PACKED.get(dtype, 1)
+    if packed > 1 and (not shape or shape[-1] % packed):
+        raise _corrupt(path, f"{where}: {dtype} packs {packed} elements a byte: its last dimension must be a multiple "
+                             f"of {packed}, got shape {shape!r:.200}")  # fmt: skip
+    torch_shape = (*shape[:-1], shape[-1] // packed) if packed > 1 else tuple(shape)
+    info = TensorInfo(name, DTYPES[dtype], torch_shape, offsets[0], offsets[1])
+    count = element_count(torch_shape)
     if count is None:
         raise _corrupt(path, f"{where}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements or strides)")
     expected = count * info.dtype.itemsize
     if expected != info.nbytes:
-        raise _corrupt(path, f"{where}: shape {list(info.shape)} of {dtype} needs {expected} bytes, "
+        raise _corrupt(path, f"{where}: shape {shape} of {dtype} needs {expected} bytes, "
                              f"but its data_offsets span {info.nbytes}")  # fmt: skip
     return info

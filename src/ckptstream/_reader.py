@@ -20,7 +20,7 @@ import torch
 from . import _fileio, _header
 from ._engine import Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
-from ._header import Header
+from ._header import Header, empty_tensor
 from ._progress import progress_bar
 from ._settings import Settings
 from ._slices import normalize_box, slice_pieces
@@ -68,7 +68,8 @@ def target_device(device: Device) -> torch.device:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
-        raise ValueError(f"device={str(device)!r}: ckptstream loads into 'cpu' or 'cuda' tensors")
+        raise ValueError(f"device={str(device)!r}: ckptstream loads into 'cpu' or 'cuda' tensors "
+                         "(and ckptstream.load takes 'meta' for the structure alone)")
     return dev
 
 
@@ -188,7 +189,7 @@ class CheckpointReader:
         view's blob whole, where checksums are verified)."""
         e, dev = self.entry(key), target_device(device)
         if e.view is None:
-            out = torch.empty(e.shape, dtype=e.dtype, device=dev)
+            out = empty_tensor(e.shape, e.dtype, dev)
             self.stream({e.stored_as: out}, checksum=checksum)
             return out
         blob = torch.empty(e.end - e.offset, dtype=torch.uint8, device=dev)
@@ -227,7 +228,7 @@ class CheckpointReader:
                 _check_destination(self.path, dataclasses.replace(e, shape=tuple(lengths)), into)
                 dst = into
             else:
-                dst = torch.empty(lengths, dtype=e.dtype, device=target_device(into))
+                dst = empty_tensor(tuple(lengths), e.dtype, target_device(into))
             if e.view is None:
                 pieces += slice_pieces(dst, e.shape, offsets, e.offset)
             else:  # a view's elements are not row-major in the file: through the whole view
@@ -244,10 +245,12 @@ class CheckpointReader:
         return TensorSlice(self, self.entry(key))
 
     def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False) -> Any:
-        """The whole state (see ``ckptstream.load``)."""
-        dev = target_device(device)
-        tensors = {t.name: torch.empty(t.shape, dtype=t.dtype, device=dev) for t in self.header.tensors}
-        self.stream(tensors, checksum=checksum, progress=progress)
+        """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
+        with tensors of the right dtypes and shapes and nothing read."""
+        dev = torch.device(device) if torch.device(device).type == "meta" else target_device(device)
+        tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
+        if dev.type != "meta":
+            self.stream(tensors, checksum=checksum, progress=progress)
         views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
         def tensor_of(e: TensorEntry) -> torch.Tensor:

@@ -27,6 +27,8 @@ from ._header import DTYPE_NAMES, DTYPES, element_count, parse_json
 Key = str | int
 KeyPath = tuple[Key, ...]
 _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
+VIEW_RATIO, VIEW_FLOOR = 1024, 1 << 20  # see view_limit
+SAME_HASH = 8  # more int keys of one dict with one hash value: a crafted file (see unflatten)
 
 
 def key_str(path: KeyPath) -> str:
@@ -41,11 +43,15 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             if type(key) not in (str, int):
                 raise UnsupportedTypeError(f"{key_str(path)}: dict key {key!r} is a {type(key).__name__}; "
                                            "only str and int keys can be stored")  # fmt: skip
+            if type(key) is str:
+                _check_text(key, (*path, key))
             yield from walk(value, (*path, key))
     elif kind:
         for i, value in enumerate(state):
             yield from walk(value, (*path, i))
     elif state is None or type(state) in (bool, int, float, str):
+        if type(state) is str:
+            _check_text(state, path)
         yield path, state
     elif isinstance(state, torch.Tensor):
         _check_leaf_tensor(path, state)
@@ -58,16 +64,38 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
         )
 
 
+def _check_text(text: str, path: KeyPath) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: JSON files are UTF-8
+        raise UnsupportedTypeError(f"{key_str(path)!r}: the key or text holds a character that UTF-8 cannot encode "
+                                   f"({e.reason} at {e.start}); store it as valid Unicode") from e
+
+
 def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
+    where = key_str(path)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise UnsupportedTypeError(f"{key_str(path)}: tensor subclass {type(t).__name__} is not supported; "
-                                   "pass a plain tensor (e.g. .to_local() or .detach())")  # fmt: skip
+        if type(t).__name__ == "DTensor":
+            raise UnsupportedTypeError(f"{where}: a DTensor (sharded or replicated over ranks) is saved through "
+                                       "torch.distributed.checkpoint with ckptstream.dcp.StreamWriter, which keeps its "
+                                       "placement; see docs/dcp.md")  # fmt: skip
+        raise UnsupportedTypeError(f"{where}: tensor subclass {type(t).__name__} is not supported; store the plain "
+                                   "tensor it holds (for a wrapper, its .to_local() or inner tensor; else "
+                                   "torch.Tensor(t) or t.as_subclass(torch.Tensor))")  # fmt: skip
+    if t.is_nested:
+        raise UnsupportedTypeError(f"{where}: a nested tensor cannot be stored; store its components "
+                                   "(t.unbind()) or t.to_padded_tensor(0)")  # fmt: skip
+    if t.is_quantized:
+        raise UnsupportedTypeError(f"{where}: a quantized tensor cannot be stored; store t.int_repr() with its "
+                                   "scale and zero point, or t.dequantize()")  # fmt: skip
     if not streamable(t):
-        raise UnsupportedTypeError(f"{key_str(path)}: a {t.layout} tensor on {t.device} cannot be stored; "
-                                   "only dense CPU and CUDA tensors")  # fmt: skip
+        raise UnsupportedTypeError(f"{where}: a {t.layout} tensor on {t.device} cannot be stored; "
+                                   "only dense (strided) CPU and CUDA tensors (for a sparse one: t.to_dense())")  # fmt: skip
     if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedTypeError(f"{key_str(path)}: dtype {t.dtype} has no safetensors name; "
+        raise UnsupportedTypeError(f"{where}: dtype {t.dtype} has no safetensors name; "
                                    f"supported: {sorted(str(d) for d in DTYPE_NAMES)}")  # fmt: skip
+    if t.dim() == 0 and DTYPE_NAMES[t.dtype] == "F4":
+        raise UnsupportedTypeError(f"{where}: a 0-d {t.dtype} tensor has no safetensors shape; store t.reshape(1)")
 
 
 @dataclasses.dataclass
@@ -128,9 +156,12 @@ def flatten(state: Any) -> FlatState:
         records.append(record)
         return record
 
+    # a flat {str: tensor} state keeps every key a tensor name of the file (safetensors readers)
+    flat = type(state) in (dict, collections.OrderedDict) and all(len(p) == 1 for p, v in leaves
+                                                                 if isinstance(v, torch.Tensor))
     for group in by_storage.values():
         for component in _overlapping(group) if len(group) > 1 else []:
-            _share(component, add_record, node_of)
+            _share(component, add_record, node_of, flat)
     for path, value in leaves:
         if isinstance(value, torch.Tensor) and path not in node_of:
             node_of[path] = {"tensor": add_record(path, value).name}
@@ -151,28 +182,43 @@ def _overlapping(group: list[tuple[KeyPath, torch.Tensor]]) -> list[list[tuple[K
     return [c for c in components if len(c) > 1]
 
 
+def view_limit(blob_nbytes: int) -> int:
+    """The most bytes a view may describe over a blob of ``blob_nbytes`` (expanded views repeat
+    elements): more, and a file is taken as crafted; a save stores such a view as its own bytes."""
+    return max(VIEW_FLOOR, VIEW_RATIO * blob_nbytes)
+
+
 def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[..., Record],
-           node_of: dict[KeyPath, Any]) -> None:
-    """Store overlapping leaves once: identical ones as one record, others as views of a base."""
+           node_of: dict[KeyPath, Any], flat: bool) -> None:
+    """Store overlapping leaves of one storage: identical ones once (the others as aliases of
+    its record); different ones as views into one blob of the storage's bytes, which restores
+    their sharing on load; or, in a flat state (whose keys must stay tensor names) and for views
+    past ``view_limit``, each as its own bytes."""
     distinct: dict[tuple[Any, ...], list[tuple[KeyPath, torch.Tensor]]] = {}
     for path, t in component:
         distinct.setdefault(_signature(t), []).append((path, t))
-    if len(distinct) == 1:  # the same tensor (or an identical view) repeated
-        (same,) = distinct.values()
-        record = add_record(same[0][0], same[0][1])
-        record.paths = [p for p, _ in same]
-        for p, _ in same:
-            node_of[p] = {"tensor": record.name}
+    span = max(_extent(t)[1] for _, t in component) - min(_extent(t)[0] for _, t in component)
+    viewed = [] if flat or len(distinct) == 1 else [
+        same for same in distinct.values() if same[0][1].numel() * same[0][1].element_size() <= view_limit(span)]
+    if len(viewed) < 2:
+        viewed = []
+    for same in distinct.values():
+        if not any(same is v for v in viewed):
+            record = add_record(same[0][0], same[0][1])
+            record.paths = [p for p, _ in same]
+            for p, _ in same:
+                node_of[p] = {"tensor": record.name}
+    if not viewed:
         return
-    lo = min(_extent(t)[0] for _, t in component) // 16 * 16  # 16: any element size divides it
-    hi = max(_extent(t)[1] for _, t in component)
-    first_path, first = component[0]
+    leaves = [leaf for same in viewed for leaf in same]
+    lo = min(_extent(t)[0] for _, t in leaves) // 16 * 16  # 16: any element size divides it
+    hi = max(_extent(t)[1] for _, t in leaves)
+    first_path, first = leaves[0]
     blob = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
     base = add_record(first_path, blob, suffix=".__storage__")
     base.paths = []  # raw storage bytes, not a leaf of its own
-    for path, t in component:
-        start = _extent(t)[0] - lo
-        node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), start]}
+    for path, t in leaves:
+        node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), _extent(t)[0] - lo]}
 
 
 def _encode(value: Any, path: KeyPath, node_of: dict[KeyPath, Any]) -> Any:
@@ -191,6 +237,17 @@ def _encode(value: Any, path: KeyPath, node_of: dict[KeyPath, Any]) -> Any:
 TensorLeaf = Callable[[KeyPath, dict[str, Any]], Any]
 
 
+def _check_int_keys(pairs: list[tuple[Key, Any]], where: str, path: KeyPath) -> None:
+    """Reject a dict whose int keys share a hash value too often: Python's dicts take quadratic
+    time over such keys (k * (2**61 - 1) all hash alike), which only a crafted file holds."""
+    if len(pairs) <= SAME_HASH:
+        return
+    counts = collections.Counter(hash(k) for k, _ in pairs if type(k) is int)  # ints hash to themselves
+    if counts and max(counts.values()) > SAME_HASH:
+        raise CorruptCheckpointError(f"{where}: the dict at {key_str(path)} has more than {SAME_HASH} int keys with "
+                                     "one hash value: the file is crafted to make loading slow")
+
+
 def unflatten(tree: Any, tensor_leaf: TensorLeaf, where: str, path: KeyPath = ()) -> Any:
     """Rebuild a state from its JSON tree; ``tensor_leaf(path, node)`` gives each tensor leaf."""
     if isinstance(tree, dict):
@@ -203,6 +260,7 @@ def unflatten(tree: Any, tensor_leaf: TensorLeaf, where: str, path: KeyPath = ()
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
                     raise CorruptCheckpointError(f"{where}: bad dict entry at {key_str(path)}")
                 pairs.append((item[0], unflatten(item[1], tensor_leaf, where, (*path, item[0]))))
+            _check_int_keys(pairs, where, path)
             mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
             if len(mapping) != len(pairs):
                 raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {key_str(path)}")
@@ -296,6 +354,11 @@ def parse_view(node: dict[str, Any], base_nbytes: dict[str, int], where: str) ->
     if offset % esz or offset + extent > base_nbytes[base]:
         raise CorruptCheckpointError(f"{where}: view of {base!r} at byte {offset} ({extent} bytes) does not fit "
                                      f"its {base_nbytes[base]} bytes")  # fmt: skip
+    described = math.prod(view.shape) * esz
+    if described > view_limit(base_nbytes[base]):
+        raise CorruptCheckpointError(f"{where}: a view of shape {list(view.shape)} describes {described} bytes over "
+                                     f"the {base_nbytes[base]} bytes of {base!r}, past the limit of "
+                                     f"{view_limit(base_nbytes[base])}: the file is crafted or corrupt")  # fmt: skip
     return view
 
 
