@@ -1,12 +1,14 @@
 """The ``ckptstream`` command: inspect and verify checkpoint files, run the benchmark.
 
-Exit codes: 0 success, 1 a corrupt checkpoint, 2 a usage error (bad arguments, unreadable file).
+Exit codes: 0 success, 1 a corrupt checkpoint, 2 a usage error (bad arguments, unreadable file);
+``verify`` of several files exits with the worst of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -14,6 +16,14 @@ from . import _load
 from ._errors import CkptStreamError
 from ._header import DTYPE_NAMES
 from ._reader import CheckpointReader
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (ANSI escapes) and characters that
+    cannot be encoded (lone surrogates) shown as escapes."""
+    return text.translate(_CONTROL).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _groups(reader: CheckpointReader) -> dict[str, dict[str, int]]:
@@ -33,8 +43,9 @@ def inspect_report(path: str) -> dict[str, Any]:
         return {
             "path": path,
             "format": reader.format,
-            "tensors": [{"name": t.name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "bytes": t.nbytes}
-                        for t in h.tensors],
+            "tensors": [{"key": e.key, "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "bytes": e.nbytes,
+                         **({"stored_as": e.stored_as} if e.stored_as != e.key else {})} for e in reader.entries()],
+            "values": reader.leaves,
             "data_bytes": h.data_bytes,
             "data_offset": h.data_start,
             "checksums": "crc32c" if reader.checksummed else None,
@@ -44,65 +55,96 @@ def inspect_report(path: str) -> dict[str, Any]:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
 
 
-def _print_description(d: dict[str, Any]) -> None:
-    print(f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors, {_human(d['data_bytes'])} of data "
-          f"from byte {d['data_offset']}, checksums: {d['checksums'] or 'none'}")  # fmt: skip
-    width = max([len(t["name"]) for t in d["tensors"]] + [4])
-    for t in d["tensors"]:
-        print(f"  {t['name']:<{width}}  {t['dtype']:<8} {t['shape']!s:<20} {_human(t['bytes'])}")
+def _print_report(d: dict[str, Any]) -> None:
+    print(printable(f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors, {_human(d['data_bytes'])} of data "
+                    f"from byte {d['data_offset']}, checksums: {d['checksums'] or 'none'}"))
+    keys = [printable(t["key"]) for t in d["tensors"]]
+    width = max([len(k) for k in keys] + [4])
+    for key, t in zip(keys, d["tensors"], strict=True):
+        alias = printable(f"  (stored as {t['stored_as']})") if "stored_as" in t else ""
+        print(f"  {key:<{width}}  {t['dtype']:<8} {t['shape']!s:<20} {_human(t['bytes'])}{alias}")
+    if d["values"]:
+        print("values:")
+        for key, value in d["values"].items():
+            print(printable(f"  {key}: {value!r}"))
     if d["metadata"]:
         print("metadata:")
         for k, v in d["metadata"].items():
-            print(f"  {k}: {v}")
-    print("structure:")
-    for key, group in d["structure"].items():
-        print(f"  {key}: {group['tensors']} tensors, {_human(group['bytes'])}")
+            print(printable(f"  {k}: {v}"))
+    if any(g["tensors"] > 1 for g in d["structure"].values()):  # a flat state would repeat the tensor list
+        print("structure:")
+        for key, group in d["structure"].items():
+            print(printable(f"  {key}: {group['tensors']} tensors, {_human(group['bytes'])}"))
+
+
+def _verify(path: str) -> int:
+    try:
+        with _load.open(path) as reader:
+            reader.verify()
+            how = (f"{len(reader)} tensors, checksums verified" if reader.checksummed
+                   else "structure only: the file has no checksums")
+    except CkptStreamError as e:
+        print(printable(f"ckptstream verify: {e}"), file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(printable(f"ckptstream verify: {e}"), file=sys.stderr)
+        return 2
+    print(printable(f"{path}: OK ({how})"))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstream", description=(__doc__ or "").split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="list the tensors, metadata and structure of a checkpoint")
+    inspect = sub.add_parser("inspect", help="list the tensors, values, metadata and structure of a checkpoint")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    check = sub.add_parser("verify", help="check a checkpoint's header, structure and checksums")
-    check.add_argument("path")
+    check = sub.add_parser("verify", help="check checkpoints' headers, structure and checksums")
+    check.add_argument("paths", nargs="+", metavar="path")
     from . import bench
 
     bench.add_arguments(sub.add_parser("bench", help="measure ckptstream against the disk, PCIe and its peers"))
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from . import bench
 
         return bench.run(args)
+    if args.command == "verify":
+        return max(_verify(path) for path in args.paths)
     try:
-        if args.command == "inspect":
-            d = inspect_report(args.path)
-            if args.json:
-                print(json.dumps(d, indent=2, ensure_ascii=False))
-            else:
-                _print_description(d)
-        else:
-            _load.verify(args.path)
-            print(f"{args.path}: OK")
-        return 0
+        report = inspect_report(args.path)
     except CkptStreamError as e:
-        print(f"ckptstream {args.command}: {e}", file=sys.stderr)
+        print(printable(f"ckptstream inspect: {e}"), file=sys.stderr)
         return 1
-    except OSError as e:
-        print(f"ckptstream {args.command}: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(printable(f"ckptstream inspect: {e}"), file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=True, default=repr))  # escapes control characters
+    else:
+        _print_report(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:  # `ckptstream inspect ... | head`: the reader went away, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
