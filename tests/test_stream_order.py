@@ -32,9 +32,11 @@ def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimDevices]:
 
 
 def _state() -> dict[str, torch.Tensor]:
-    """Contiguous and non-contiguous tensors over several 4 KiB chunks, sizes that split elements."""
+    """Contiguous and non-contiguous tensors over several 4 KiB chunks, sizes that split elements,
+    and runs of small tensors (moved in one copy and one gather or scatter per chunk)."""
+    small = {f"s{i:03d}": torch.randn(i % 7 + 1) for i in range(300)}
     return {"big": torch.randn(5000), "odd": torch.randint(0, 255, (4099,), dtype=torch.uint8),
-            "t": torch.randn(37, 29, dtype=torch.float64).t(), "h": torch.randn(3001, dtype=torch.float16)}
+            "t": torch.randn(37, 29, dtype=torch.float64).t(), "h": torch.randn(3001, dtype=torch.float16), **small}
 
 
 def _file_state(path: Path) -> dict[str, torch.Tensor]:

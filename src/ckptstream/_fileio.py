@@ -54,14 +54,35 @@ class OpenFile:
     owned: bool = False  # opened by ckptstream: closed by ``close``
     _direct_fd: int | None = None
     _direct_refused: bool = False
+    _direct_forced: bool = False  # direct_io='on': a refused direct write is an error
+    _direct_writes_refused: bool = False
 
     def direct_fd(self, force: bool) -> int | None:
         """The file reopened with O_DIRECT and the same access mode, opened on first use; None
         where the file system refuses O_DIRECT (tmpfs) and ``force`` is False."""
+        self._direct_forced = force
         if self._direct_fd is None and not self._direct_refused:
             self._direct_fd = open_direct(self.fd, self.path, force)
             self._direct_refused = self._direct_fd is None
         return self._direct_fd
+
+    def pwrite_direct(self, view: memoryview, offset: int) -> None:
+        """Write aligned bytes through the O_DIRECT twin. Some file systems accept the O_DIRECT
+        open and refuse the writes (EINVAL): unless forced, those bytes, and the file's later
+        ones, are written buffered instead (the same bytes at the same offsets)."""
+        fd = self._direct_fd
+        if fd is not None and not self._direct_writes_refused:
+            try:
+                pwrite_all(fd, view, offset, self.path)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                if self._direct_forced:
+                    raise OSError(errno.EINVAL, f"the file system refuses O_DIRECT writes ({e.strerror}; "
+                                  "direct_io='on'; use 'auto' to fall back to buffered writes)", self.path) from e
+                self._direct_writes_refused = True
+        pwrite_all(self.fd, view, offset, self.path)
 
     def close(self) -> None:
         """Close the O_DIRECT twin, and the descriptor itself if ckptstream opened it; safe to
@@ -90,6 +111,63 @@ def open_direct(fd: int, path: str, force: bool) -> int | None:
         return None
 
 
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def check_file_type(st: os.stat_result, path: str, devices: bool = False) -> None:
+    """Refuse what is not a regular file (nor, with ``devices``, a block device): the transfers
+    read and write at offsets, and opening a FIFO blocks until its other end is opened."""
+    if stat.S_ISREG(st.st_mode) or (devices and stat.S_ISBLK(st.st_mode)):
+        return
+    kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file", path)
+    raise OSError(errno.EINVAL, f"is {kind}, not a regular file; ckptstream reads and writes files at offsets, "
+                  "so copy the data to a regular file first", path)
+
+
+def open_path(path: str, flags: int, what: str, devices: bool = False) -> int:
+    """Open ``path`` (created with the mode ``open()`` gives under the umask), refusing anything
+    but a regular file (or, with ``devices``, a block device) without blocking: the type is
+    checked before the open, and again on the descriptor, which is opened non-blocking in case
+    the path changed in between."""
+    try:
+        st: os.stat_result | None = os.stat(path)
+    except OSError:
+        st = None  # missing (created below) or unreachable (the open below says why)
+    if st is not None:
+        check_file_type(st, path, devices)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise os_error(e, what, path) from e
+    try:
+        check_file_type(os.fstat(fd), path, devices)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def close_strays(path: str) -> None:
+    """Close every descriptor of this process on the file at ``path`` (a temp with a random name,
+    which nothing else opens): an exception raised between an ``open()`` returning and its
+    descriptor being stored (a Ctrl-C under a program's own SIGINT handler) leaves one unrecorded."""
+    try:
+        st = os.lstat(path)
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(name)
+            other = os.fstat(fd)
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                os.close(fd)
+
+
 @contextlib.contextmanager
 def opened(file: FileLike, offset: int | None, writing: bool) -> Iterator[tuple[OpenFile, int]]:
     """``file`` open for one transfer, and where the transfer starts (``offset``, or for None
@@ -100,10 +178,7 @@ def opened(file: FileLike, offset: int | None, writing: bool) -> Iterator[tuple[
     if isinstance(file, (str, bytes, os.PathLike)):
         path = os.fsdecode(file)
         flags = (os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)) if writing else os.O_RDONLY
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o666)
-        except OSError as e:
-            raise os_error(e, "opening for writing" if writing else "opening for reading", path) from e
+        fd = open_path(path, flags, "opening for writing" if writing else "opening for reading", devices=True)
         handle, start = OpenFile(fd, path, owned=True), offset or 0
     elif isinstance(file, int) and not isinstance(file, bool):
         handle = OpenFile(file, fd_path(file))
@@ -170,6 +245,31 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
     return done
 
 
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> int:
+    """Read into ``views`` one after another from ``offset`` (few calls for many small
+    buffers) until all are full or the file ends; returns bytes read."""
+    done, total = 0, sum(len(v) for v in views)
+    first, skip = 0, 0  # the first view not yet full, and how much of it is
+    while done < total:
+        batch = [views[first][skip:], *views[first + 1 : first + IOV_MAX]]
+        try:
+            n = os.preadv(fd, batch, offset + done)
+        except OSError as e:
+            raise os_error(e, f"reading {total - done} bytes at offset {offset + done}", path) from e
+        if n == 0:
+            break
+        done += n
+        n += skip
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        skip = n
+    return done
+
+
 def check_length(fd: int, path: str, offset: int, nbytes: int) -> None:
     """Fail before any device work when a regular file is too short for the read."""
     st = os.fstat(fd)
@@ -177,8 +277,8 @@ def check_length(fd: int, path: str, offset: int, nbytes: int) -> None:
         raise TruncatedFileError(path, offset, nbytes, max(0, st.st_size - offset))
 
 
-def fsync(fd: int, path: str) -> None:
+def fsync(fd: int, path: str, what: str = "fsync") -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        raise os_error(e, "fsync", path) from e
+        raise os_error(e, what, path) from e

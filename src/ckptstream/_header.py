@@ -27,7 +27,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,8 +62,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """One entry of the tensor table; ``begin``/``end`` are relative to the data section."""
 
     name: str
@@ -196,7 +195,7 @@ def decode(raw: bytes, file_size: int, path: str) -> Header:
     meta = table.pop("__metadata__", None) or {}  # safetensors writes and reads null
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
-    tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=lambda t: (t.begin, t.end))
+    tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=_by_offsets)
     pos = 0
     for t in tensors:
         if t.begin != pos:
@@ -277,12 +276,13 @@ def parse_json(text: str | bytes) -> Any:
 
 def element_count(shape: list[int] | tuple[int, ...]) -> int | None:
     """The number of elements of a tensor of ``shape``, or None where torch cannot hold it (a
-    size past int64, or, with elements, strides or an element count past int64). Stops early, so
-    a hostile shape costs little."""
-    if any(d > INT64_MAX for d in shape):
-        return None
+    size past int64, or, with elements, strides or an element count past int64). A hostile
+    shape costs little."""
     if 0 in shape:
-        return 0  # no elements: torch takes any sizes, given strides (see empty_tensor)
+        return 0 if max(shape) <= INT64_MAX else None  # no elements: torch takes any sizes, given strides
+    if len(shape) <= 16:  # the product of a few int64 sizes is a small number
+        product = math.prod(shape)
+        return product if product <= INT64_MAX else None
     product = 1
     for d in shape:
         product *= d
@@ -298,29 +298,47 @@ def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _by_offsets(t: TensorInfo) -> tuple[int, int]:
+    return t.begin, t.end
+
+
 def _entry(path: str, name: str, raw: Any) -> TensorInfo:
+    """One validated table entry; the common case costs a few checks (files hold many)."""
+    try:
+        dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]  # other fields: ignored, as safetensors does
+        torch_dtype = DTYPES[dtype]
+        begin, end = offsets
+    except (TypeError, KeyError, ValueError):
+        return _bad_entry(path, name, raw)
+    if (type(shape) is not list or type(begin) is not int or type(end) is not int or not 0 <= begin <= end
+            or any(type(d) is not int or d < 0 for d in shape)):  # fmt: skip
+        return _bad_entry(path, name, raw)
+    packed = _PACKED.get(dtype, 1)
+    if packed > 1:
+        if not shape or shape[-1] % packed:
+            raise _corrupt(path, f"tensor {name!r}: {dtype} packs {packed} elements a byte: its last dimension must "
+                                 f"be a multiple of {packed}, got shape {shape!r:.200}")  # fmt: skip
+        torch_shape = (*shape[:-1], shape[-1] // packed)
+    else:
+        torch_shape = tuple(shape)
+    count = element_count(torch_shape)
+    if count is None:
+        raise _corrupt(path, f"tensor {name!r}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements "
+                             "or strides)")  # fmt: skip
+    if count * torch_dtype.itemsize != end - begin:
+        raise _corrupt(path, f"tensor {name!r}: shape {shape} of {dtype} needs {count * torch_dtype.itemsize} bytes, "
+                             f"but its data_offsets span {end - begin}")  # fmt: skip
+    return TensorInfo(name, torch_dtype, torch_shape, begin, end)
+
+
+def _bad_entry(path: str, name: str, raw: Any) -> TensorInfo:
+    """Raise the error that says what is wrong with a malformed table entry."""
     where = f"tensor {name!r}"
     if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= set(raw):
         raise _corrupt(path, f"{where}: expected an object with dtype, shape and data_offsets, got {raw!r:.200}")
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]  # other fields: ignored, as safetensors does
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise _corrupt(path, f"{where}: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+        raise _corrupt(path, f"{where}: unknown dtype {dtype!r:.100}; known: {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _corrupt(path, f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
-        raise _corrupt(path, f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
-    packed = _PACKED.get(dtype, 1)
-    if packed > 1 and (not shape or shape[-1] % packed):
-        raise _corrupt(path, f"{where}: {dtype} packs {packed} elements a byte: its last dimension must be a multiple "
-                             f"of {packed}, got shape {shape!r:.200}")  # fmt: skip
-    torch_shape = (*shape[:-1], shape[-1] // packed) if packed > 1 else tuple(shape)
-    info = TensorInfo(name, DTYPES[dtype], torch_shape, offsets[0], offsets[1])
-    count = element_count(torch_shape)
-    if count is None:
-        raise _corrupt(path, f"{where}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements or strides)")
-    expected = count * info.dtype.itemsize
-    if expected != info.nbytes:
-        raise _corrupt(path, f"{where}: shape {shape} of {dtype} needs {expected} bytes, "
-                             f"but its data_offsets span {info.nbytes}")  # fmt: skip
-    return info
+    raise _corrupt(path, f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import _gc
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._load import checksum_argument, open
 from ._reader import CheckpointReader, TensorEntry
@@ -100,15 +101,18 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         >>> step = loaded["step"]
     """
     checksum = checksum_argument(checksum, verify, "load_into")
-    targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
+    with _gc.paused():
+        targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
     with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
               direct_io=direct_io) as reader:
-        _match(reader, targets, strict)
-        dests, copies = _destinations(reader.entries(), targets)
-        # every stored tensor: those without a target are read for their checksums
-        wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
+        with _gc.paused():
+            _match(reader, targets, strict)
+            dests, copies = _destinations(reader.entries(), targets)
+            # every stored tensor: those without a target are read for their checksums
+            wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
         reader.stream(wanted, checksum=checksum, progress=progress)
         with torch.no_grad():
             for target, source in copies:
                 target.copy_(source)
-        return reader.rebuild(lambda entry: targets.get(entry.path))
+        with _gc.paused():
+            return reader.rebuild(lambda entry: targets.get(entry.path))

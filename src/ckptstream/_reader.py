@@ -10,6 +10,8 @@ is read until asked. Each tensor is indexed by its user-facing key path
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _fileio, _header
+from . import _fileio, _gc, _header
 from ._engine import Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
 from ._header import Header, empty_tensor
@@ -29,6 +31,7 @@ from ._structure import KeyPath, View, key_str, make_view, parse_structure, unfl
 Device = str | int | torch.device
 Key = str | KeyPath
 _FIRST_READ = 1 << 20  # most headers are shorter: read in one call
+_SKIP = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +87,13 @@ class CheckpointReader:
             raise _fileio.os_error(e, "opening the checkpoint", self.path) from e
         self._file = _fileio.OpenFile(fd, self.path, owned=True)
         try:
-            self.header = self._read_header()
-            table = {t.name: t.nbytes for t in self.header.tensors}
-            self._structure = parse_structure(self.header.structure, table, self.path)
-            self._entries = self._index()
+            with _gc.paused():
+                self.header = self._read_header()
+                table = {t.name: t.nbytes for t in self.header.tensors}
+                self._structure = parse_structure(self.header.structure, table, self.path)
         except BaseException:
             self._file.close()
             raise
-        self._by_key: dict[str, KeyPath | None] = {}  # None: two paths print alike
-        for key_path in self._entries:
-            key = key_str(key_path)
-            self._by_key[key] = None if key in self._by_key else key_path
 
     def _read_header(self) -> Header:
         size = os.fstat(self._file.fd).st_size
@@ -107,7 +106,9 @@ class CheckpointReader:
             raw += rest
         return _header.decode(bytes(raw[:start]), size, self.path)
 
-    def _index(self) -> dict[KeyPath, TensorEntry]:
+    @functools.cached_property
+    def _entries(self) -> dict[KeyPath, TensorEntry]:
+        """The index, made on first use (a whole load does without it)."""
         h, s = self.header, self._structure
         infos = {t.name: t for t in h.tensors}
         crcs = dict(zip(infos, h.crcs, strict=True)) if h.crcs is not None else {}
@@ -119,6 +120,14 @@ class CheckpointReader:
             entries[path] = TensorEntry(key_str(path), path, dtype, shape, info.name, h.data_start + info.begin,
                                         h.data_start + info.end, crcs.get(info.name), view)
         return entries
+
+    @functools.cached_property
+    def _by_key(self) -> dict[str, KeyPath | None]:
+        by_key: dict[str, KeyPath | None] = {}  # None: two paths print alike
+        for key_path in self._entries:
+            key = key_str(key_path)
+            by_key[key] = None if key in by_key else key_path
+        return by_key
 
     # --- the index ------------------------------------------------------------------------
 
@@ -248,19 +257,23 @@ class CheckpointReader:
         """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
         with tensors of the right dtypes and shapes and nothing read."""
         dev = torch.device(device) if torch.device(device).type == "meta" else target_device(device)
-        tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
+        with _gc.paused():
+            tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
         if dev.type != "meta":
             self.stream(tensors, checksum=checksum, progress=progress)
         views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        def tensor_of(e: TensorEntry) -> torch.Tensor:
-            if e.view is None:
-                return tensors[e.stored_as]
-            if e.view not in views:
-                views[e.view] = make_view(tensors[e.stored_as], e.view)
-            return views[e.view]
+        def tensor_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
+            name = node.get("tensor")
+            if name is not None:
+                return tensors[name]
+            view = self._structure.views[path]
+            if view not in views:
+                views[view] = make_view(tensors[view.base], view)
+            return views[view]
 
-        return self.rebuild(tensor_of)
+        with _gc.paused():
+            return unflatten(self._structure.tree, tensor_leaf, self.path)
 
     def verify(self, *, progress: bool = False) -> None:
         """Read every tensor's bytes and compare them with their checksums (a file without
@@ -273,21 +286,26 @@ class CheckpointReader:
         to None is read for its checksum only (not read without checksums), names not in
         ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C."""
         check = checksum and self.header.crcs is not None
-        start, pieces, names = self.header.data_start, [], []
-        for t in self.header.tensors:
-            if t.name in dests and (dests[t.name] is not None or check):
-                dst = dests[t.name]
-                pieces.append(Piece.unread(t.nbytes, start + t.begin) if dst is None else Piece.of(dst, start + t.begin))
-                names.append(t.name)
+        start, pieces, stored = self.header.data_start, [], []
+        with _gc.paused():
+            for t, crc in zip(self.header.tensors, self.header.crcs or itertools.repeat(0), strict=False):
+                dst = dests.get(t.name, _SKIP)
+                if isinstance(dst, torch.Tensor):
+                    pieces.append(Piece.of(dst, start + t.begin))
+                elif dst is None and check:
+                    pieces.append(Piece.unread(t.nbytes, start + t.begin))
+                else:
+                    continue
+                stored.append((t.name, crc))
         with progress_bar(progress, sum(p.nbytes for p in pieces), f"load {os.path.basename(self.path)}") as bar:
-            got = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream).run()
-        if check:
-            stored = dict(zip((t.name for t in self.header.tensors), self.header.crcs or (), strict=True))
-            for name, computed in zip(names, got, strict=True):
-                if stored[name] != computed:
-                    raise CorruptCheckpointError(
-                        f"{self.path}: {self._describe(name)} fails its CRC-32C check (stored {stored[name]:08x}, "
-                        f"computed {computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
+            with _gc.paused():
+                engine = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream)
+            got = engine.run()
+        for (name, crc), computed in zip(stored, got, strict=False):  # got is empty without checksums
+            if crc != computed:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {self._describe(name)} fails its CRC-32C check (stored {crc:08x}, computed "
+                    f"{computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
 
     def _describe(self, stored_as: str) -> str:
         """The user-facing keys of a stored tensor, for messages."""

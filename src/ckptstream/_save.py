@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _fileio, _header
+from . import _fileio, _gc, _header
 from ._engine import Mark, Piece, WriteEngine, interrupts_deferred
 from ._engine.control import raise_if_interrupted
 from ._errors import UnsupportedTypeError
@@ -43,14 +43,15 @@ class CheckpointPlan:
 def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bool) -> CheckpointPlan:
     """Flatten ``state`` and encode its header; raises before any file is touched."""
     user = _header.check_user_metadata(metadata)
-    try:
-        flat = flatten(state)
-        structure = json.dumps(flat.tree, separators=(",", ":"))
-    except RecursionError as e:
-        raise UnsupportedTypeError("the state is nested too deeply to be stored, or contains itself") from e
-    by_name = {r.name: r.tensor for r in flat.records}
-    infos = _header.layout([(r.name, r.tensor.dtype, tuple(r.tensor.shape)) for r in flat.records])
-    header = _header.encode(infos, user, structure, checksums=checksum)
+    with _gc.paused():
+        try:
+            flat = flatten(state)
+            structure = json.dumps(flat.tree, separators=(",", ":"))
+        except RecursionError as e:
+            raise UnsupportedTypeError("the state is nested too deeply to be stored, or contains itself") from e
+        by_name = {r.name: r.tensor for r in flat.records}
+        infos = _header.layout([(r.name, r.tensor.dtype, tuple(r.tensor.shape)) for r in flat.records])
+        header = _header.encode(infos, user, structure, checksums=checksum)
     return CheckpointPlan(header, infos, [by_name[i.name] for i in infos], checksum)
 
 
@@ -61,10 +62,12 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
     with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
         _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
         start = len(plan.header)
-        pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
+        with _gc.paused():
+            pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
         with progress_bar(progress, sum(p.nbytes for p in pieces), f"save {os.path.basename(os.fspath(path))}") as bar:
-            crcs = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream,
-                               after=after).run()
+            with _gc.paused():
+                engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream, after=after)
+            crcs = engine.run()
         if plan.checksum:  # the same length: written over the placeholders
             _fileio.pwrite_all(file.fd, memoryview(_header.fill(plan.header, crcs)), 0, file.path)
         raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place

@@ -249,33 +249,44 @@ def _check_int_keys(pairs: list[tuple[Key, Any]], where: str, path: KeyPath) -> 
 
 
 def unflatten(tree: Any, tensor_leaf: TensorLeaf, where: str, path: KeyPath = ()) -> Any:
-    """Rebuild a state from its JSON tree; ``tensor_leaf(path, node)`` gives each tensor leaf."""
-    if isinstance(tree, dict):
-        if len(tree) != 1:
-            raise CorruptCheckpointError(f"{where}: structure node at {key_str(path)} has keys {sorted(tree)}")
-        (tag, body), = tree.items()  # fmt: skip
-        if tag in ("dict", "odict") and isinstance(body, list):
-            pairs = []
-            for item in body:
-                if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
-                    raise CorruptCheckpointError(f"{where}: bad dict entry at {key_str(path)}")
-                pairs.append((item[0], unflatten(item[1], tensor_leaf, where, (*path, item[0]))))
-            _check_int_keys(pairs, where, path)
-            mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
-            if len(mapping) != len(pairs):
-                raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {key_str(path)}")
-            return mapping
-        if tag in ("list", "tuple") and isinstance(body, list):
+    """Rebuild a state from its JSON tree; ``tensor_leaf(path, node)`` gives each tensor leaf.
+    (Written for speed: a file may hold hundreds of thousands of nodes.)"""
+    kind = type(tree)
+    if kind is not dict:
+        if tree is None or kind in _SCALARS:
+            return tree
+        raise CorruptCheckpointError(f"{where}: unexpected {kind.__name__} in the structure at {key_str(path)}")
+    if len(tree) != 1:
+        raise CorruptCheckpointError(f"{where}: structure node at {key_str(path)} has keys {sorted(tree)!r:.200}")
+    tag, body = next(iter(tree.items()))
+    if tag == "tensor" or tag == "view":
+        return tensor_leaf(path, tree)
+    if type(body) is list:
+        if tag == "dict" or tag == "odict":
+            return _unflatten_dict(tag, body, tensor_leaf, where, path)
+        if tag == "list" or tag == "tuple":
             items = [unflatten(v, tensor_leaf, where, (*path, i)) for i, v in enumerate(body)]
             return items if tag == "list" else tuple(items)
-        if tag in ("tensor", "view"):
-            return tensor_leaf(path, tree)
-        if tag == "float" and body in ("nan", "inf", "-inf"):
-            return float(body)
-        raise CorruptCheckpointError(f"{where}: unknown structure node {tag!r} at {key_str(path)}")
-    if tree is None or type(tree) in (bool, int, float, str):
-        return tree
-    raise CorruptCheckpointError(f"{where}: unexpected {type(tree).__name__} in the structure at {key_str(path)}")
+    if tag == "float" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    raise CorruptCheckpointError(f"{where}: unknown structure node {str(tag)!r:.100} at {key_str(path)}")
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _unflatten_dict(tag: str, body: list[Any], tensor_leaf: TensorLeaf, where: str, path: KeyPath) -> Any:
+    pairs = []
+    for item in body:
+        if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+            raise CorruptCheckpointError(f"{where}: bad dict entry at {key_str(path)}")
+        key = item[0]
+        pairs.append((key, unflatten(item[1], tensor_leaf, where, (*path, key))))
+    _check_int_keys(pairs, where, path)
+    mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
+    if len(mapping) != len(pairs):
+        raise CorruptCheckpointError(f"{where}: duplicate key in the dict at {key_str(path)}")
+    return mapping
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,23 +13,24 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 import torch
 
-from .. import _checksum
+from .. import _checksum, _gc
 from .._fileio import OpenFile
 from .._settings import ALIGN, DirectIO, Settings
 from . import control, streams
 from .buffers import POOL, StagingBuffer
-from .layout import flat_bytes
+from .layout import flat_bytes, host_bytes
 from .plan import Chunk, Part, Piece, check_pieces, plan
 
 Progress = Callable[[int], None]
 PartCrcs = list[tuple[int, int, int]]  # (piece, CRC-32C, length) of one chunk's parts, in order
 
 _ENGINES = itertools.count()
+BATCH = 8  # device parts in a run from which one copy and one gather / scatter kernel move them
 
 
 class Engine:
@@ -49,12 +50,9 @@ class Engine:
         direct = cfg.direct_io is DirectIO.ON or (
             cfg.direct_io is DirectIO.AUTO and self.writing and cfg.buffer_size % ALIGN == 0)
         self.direct_fd = file.direct_fd(force=cfg.direct_io is DirectIO.ON) if direct else None
-        self.chunks = plan(pieces, cfg.buffer_size, ALIGN if self.direct_fd is not None else 1)
-        # per piece, made once: a contiguous tensor's bytes (its parts need no layout work) and
-        # the device whose copies a staging buffer waits for
-        self.flat = [flat_bytes(p.tensor) if p.tensor is not None and p.tensor.is_contiguous() else None
-                     for p in pieces]
-        self.device = [self.streams.device_of(p.tensor) if p.tensor is not None else None for p in pieces]
+        with _gc.paused():
+            self.chunks = plan(pieces, cfg.buffer_size, ALIGN if self.direct_fd is not None else 1)
+            self._route(pieces)
         self.failure = control.Failure()
         self.part_crcs: list[PartCrcs] = [[] for _ in self.chunks]
         self._claim, self._claim_lock = iter(self.chunks), threading.Lock()
@@ -62,6 +60,28 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._buffers: list[StagingBuffer] = []
         self._started = self._finished = False
+
+    def _route(self, pieces: Sequence[Piece]) -> None:
+        """Per piece, made once: how its bytes move. A contiguous host tensor's bytes are a
+        memoryview (``host``: copies and checksums without torch calls, which cost more than
+        small tensors' bytes); a device tensor's a flat uint8 view (``flat``: one device copy
+        per part), with the device whose copies a staging buffer waits for (``device``); a
+        non-contiguous tensor's go through ``layout`` (neither)."""
+        n = len(pieces)
+        self.host: list[memoryview | None] = [None] * n
+        self.flat: list[torch.Tensor | None] = [None] * n
+        self.device: list[torch.device | None] = [None] * n
+        device_of = self.streams.device_of
+        for i, (t, _, lo, hi) in enumerate(pieces):
+            if t is None or hi == lo:
+                continue
+            device = self.device[i] = device_of(t)
+            if not t.is_contiguous():
+                continue
+            if device is None and t.device.type == "cpu":
+                self.host[i] = host_bytes(t)
+            else:
+                self.flat[i] = flat_bytes(t)
 
     # --- from outside ---------------------------------------------------------------------
 
@@ -72,14 +92,16 @@ class Engine:
         self._started = True
         if not self.chunks:
             return self
-        self._buffers = POOL.acquire(self.cfg.buffer_size, min(self.cfg.num_buffers, len(self.chunks)),
-                                     pinned=self.streams.pinned)
+        staged = self.staged_chunks()
+        if staged:
+            self._buffers = POOL.acquire(self.cfg.buffer_size, min(self.cfg.num_buffers, staged),
+                                         pinned=self.streams.pinned)
         self.streams.begin()
-        count = min(self.cfg.io_threads, len(self._buffers))
+        count = min(self.cfg.io_threads, len(self._buffers) or len(self.chunks))
         name = f"ckptstream-{'write' if self.writing else 'read'}-{next(_ENGINES)}"
         for i in range(count):
-            thread = threading.Thread(target=self._thread, args=(self._buffers[i::count],), name=f"{name}-{i}",
-                                      daemon=True)
+            own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
+            thread = threading.Thread(target=self._thread, args=(own,), name=f"{name}-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
         return self
@@ -130,7 +152,11 @@ class Engine:
 
     # --- the I/O threads ------------------------------------------------------------------
 
-    def _thread(self, own: list[StagingBuffer]) -> None:
+    def staged_chunks(self) -> int:
+        """How many chunks go through staging buffers (all, unless an engine moves some without)."""
+        return len(self.chunks)
+
+    def _thread(self, own: list[StagingBuffer | None]) -> None:
         chunk = None
         try:
             with self.streams.copying():
@@ -146,7 +172,7 @@ class Engine:
         except BaseException as e:
             self.failure.record(e, chunk.index if chunk is not None else -1)
 
-    def _move(self, chunk: Chunk, buf: StagingBuffer) -> None:
+    def _move(self, chunk: Chunk, buf: StagingBuffer | None) -> None:
         raise NotImplementedError
 
     def _result(self) -> list[int]:
@@ -174,6 +200,30 @@ class Engine:
 
     def staged(self, buf: StagingBuffer, part: Part) -> torch.Tensor:
         return buf.tensor[part.at : part.at + part.hi - part.lo]
+
+    def segments(self, chunk: Chunk) -> Iterator[tuple[str, list[Part]]]:
+        """The chunk's parts of tensors, in order, as ("host", [part]), ("strided", [part]) or
+        ("device", parts): a run of contiguous device tensors' parts on one device, back to
+        back in the staging buffer, which an engine may move in one host-device copy."""
+        run: list[Part] = []
+        for part in chunk.parts:
+            i = part.piece
+            if self.flat[i] is not None:
+                if run and (self.device[run[-1].piece] != self.device[i]
+                            or run[-1].at + run[-1].hi - run[-1].lo != part.at):
+                    yield "device", run
+                    run = []
+                run.append(part)
+                continue
+            if run:
+                yield "device", run
+                run = []
+            if self.host[i] is not None:
+                yield "host", [part]
+            elif self.pieces[i].tensor is not None:
+                yield "strided", [part]
+        if run:
+            yield "device", run
 
     def host_crcs(self, chunk: Chunk, buf: StagingBuffer, skip: Sequence[bool] = ()) -> None:
         """Note the CRC-32C of each of the chunk's parts, from the staging buffer (but those of

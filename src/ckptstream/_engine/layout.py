@@ -9,6 +9,7 @@ of the cut element wait in a per-tensor ``carry`` until the next chunk completes
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import torch
@@ -44,6 +45,12 @@ def check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's bytes (no copy)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous host tensor's bytes (no copy); the tensor must
+    outlive it."""
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def row_major_blocks(t: torch.Tensor, e0: int, e1: int) -> Iterator[torch.Tensor]:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from .._fileio import round_down
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     """Bytes ``lo``..``hi`` of a tensor's logical (row-major) bytes, at file offset ``offset``.
 
     ``tensor`` None stands for ``hi - lo`` bytes of the file that are only read (to checksum
@@ -33,7 +33,7 @@ class Piece:
     @classmethod
     def of(cls, tensor: torch.Tensor, offset: int) -> Piece:
         """All of ``tensor``'s bytes at ``offset``."""
-        return cls(tensor, offset, 0, tensor.numel() * tensor.element_size())
+        return cls(tensor, offset, 0, tensor.nbytes)  # the logical bytes, contiguous or not
 
     @classmethod
     def unread(cls, nbytes: int, offset: int) -> Piece:
@@ -71,18 +71,18 @@ class Chunk:
 
 def check_pieces(pieces: Sequence[Piece], *, writing: bool) -> None:
     """Raise ValueError for pieces the engines cannot move."""
-    for i, p in enumerate(pieces):
-        if p.offset < 0 or not 0 <= p.lo <= p.hi:
-            raise ValueError(f"piece {i}: offset {p.offset} and byte range {p.lo}..{p.hi} must be non-negative and ordered")
-        t = p.tensor
-        if t is not None:
-            size = t.numel() * t.element_size()
-            if p.hi > size:
-                raise ValueError(f"piece {i}: byte range {p.lo}..{p.hi} runs past the tensor's {size} bytes")
-            if not t.is_contiguous() and (p.lo % t.element_size() or p.hi % t.element_size()):
-                raise ValueError(f"piece {i}: a non-contiguous tensor's byte range must cut at whole elements")
+    for i, (t, offset, lo, hi) in enumerate(pieces):
+        if offset < 0 or not 0 <= lo <= hi:
+            raise ValueError(f"piece {i}: offset {offset} and byte range {lo}..{hi} must be non-negative and ordered")
+        if t is None or (lo == 0 and hi == t.nbytes and t.is_contiguous()):
+            continue  # the common case: a whole contiguous tensor
+        size = t.nbytes
+        if hi > size:
+            raise ValueError(f"piece {i}: byte range {lo}..{hi} runs past the tensor's {size} bytes")
+        if not t.is_contiguous() and (lo % t.element_size() or hi % t.element_size()):
+            raise ValueError(f"piece {i}: a non-contiguous tensor's byte range must cut at whole elements")
     if writing:  # a write leaves no hole of stale staging bytes, nor writes a byte twice
-        moved = [p for p in pieces if p.nbytes]
+        moved = [p for p in pieces if p.hi > p.lo]
         for i, (a, b) in enumerate(itertools.pairwise(moved)):
             if b.offset != a.end:
                 raise ValueError(f"a write's pieces lie back to back in file order: piece {i + 1} of those with "
@@ -91,19 +91,25 @@ def check_pieces(pieces: Sequence[Piece], *, writing: bool) -> None:
 
 def plan(pieces: Sequence[Piece], buffer_size: int, align: int) -> list[Chunk]:
     """The chunks that move ``pieces``, in file order (pieces sorted by offset; reads may
-    overlap). A chunk covers at most ``buffer_size`` bytes from its aligned origin."""
-    order = sorted(range(len(pieces)), key=lambda i: pieces[i].offset)
+    overlap). A chunk covers at most ``buffer_size`` bytes from its aligned origin. (Written
+    for speed: a state may hold hundreds of thousands of small tensors.)"""
+    offsets = [p[1] for p in pieces]
     chunks: list[Chunk] = []
-    for i in order:
-        p = pieces[i]
-        pos = p.offset
-        while pos < p.end:
-            last = chunks[-1] if chunks else None
-            if last is None or not last.origin <= pos < last.origin + buffer_size:
+    last = Chunk(-1, 0, 0, -1, [])
+    window_end = -1  # the end of the last chunk's window
+    for i in sorted(range(len(pieces)), key=offsets.__getitem__):
+        _, offset, lo, hi = pieces[i]
+        pos, end = offset, offset + hi - lo
+        while pos < end:
+            if not last.origin <= pos < window_end:
                 last = Chunk(len(chunks), pos, pos, round_down(pos, align), [])
+                window_end = last.origin + buffer_size
                 chunks.append(last)
-            stop = min(p.end, last.origin + buffer_size)
-            last.parts.append(Part(i, p.lo + pos - p.offset, p.lo + stop - p.offset, pos - last.origin))
-            last.start, last.stop = min(last.start, pos), max(last.stop, stop)
+            stop = end if end <= window_end else window_end
+            last.parts.append(Part(i, lo + pos - offset, lo + stop - offset, pos - last.origin))
+            if pos < last.start:
+                last.start = pos
+            if stop > last.stop:
+                last.stop = stop
             pos = stop
     return chunks

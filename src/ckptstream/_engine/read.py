@@ -19,18 +19,26 @@ from typing import Any
 
 import torch
 
-from .. import _fileio
+from .. import _checksum, _fileio
 from .._errors import TruncatedFileError
 from .._settings import ALIGN
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
-from .engine import Engine
+from .engine import BATCH, Engine
 from .layout import copy_in
 from .plan import Chunk
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
+
+
+def _scatter(staged: torch.Tensor, flats: list[torch.Tensor]) -> None:
+    """Many small device tensors' bytes from the staging buffer: one copy to the device, then
+    one scatter (instead of one copy, and its launch, each)."""
+    scratch = torch.empty(staged.numel(), dtype=torch.uint8, device=flats[0].device)
+    scratch.copy_(staged, non_blocking=True)
+    torch._foreach_copy_(flats, list(scratch.split([f.numel() for f in flats])))
 
 
 class ReadEngine(Engine):
@@ -46,11 +54,22 @@ class ReadEngine(Engine):
         # pieces checksummed on their device once loaded, not from the staging buffers
         self.on_device = [self.checksum and flat is not None and self.streams.checksums_on_device(flat[p.lo : p.hi])
                           for p, flat in zip(self.pieces, self.flat, strict=True)]
+        # chunks read straight into host tensors: no staging buffer, no second copy
+        self._unstaged = [self.direct_fd is None and _host_runs(c, self.host) for c in self.chunks]
+
+    def staged_chunks(self) -> int:
+        return self._unstaged.count(False)
 
     def _has_ordered(self, chunk: Chunk) -> bool:
-        return any(self.pieces[p.piece].tensor is not None and self.flat[p.piece] is None for p in chunk.parts)
+        """Whether the chunk holds parts of non-contiguous tensors."""
+        return any(self.pieces[p.piece].tensor is not None and self.flat[p.piece] is None
+                   and self.host[p.piece] is None for p in chunk.parts)
 
-    def _move(self, chunk: Chunk, buf: StagingBuffer) -> None:
+    def _move(self, chunk: Chunk, buf: StagingBuffer | None) -> None:
+        if self._unstaged[chunk.index]:
+            self._read_into_host(chunk)
+            return
+        assert buf is not None
         for event in self._pending.get(id(buf), ()):
             event.synchronize()  # the buffer's previous copies are done: it may be refilled
         self._read(chunk, buf)
@@ -64,19 +83,57 @@ class ReadEngine(Engine):
 
     def _copy_parts(self, chunk: Chunk, buf: StagingBuffer, *, ordered: bool) -> list[Any]:
         """Enqueue the copies of the chunk's parts into contiguous tensors (or, ``ordered``,
-        into non-contiguous ones); returns events that mark their end."""
-        devices = set()
-        for part in chunk.parts:
-            t, flat = self.pieces[part.piece].tensor, self.flat[part.piece]
-            if t is None or (flat is None) != ordered:
+        into non-contiguous ones); returns events that mark their end. Host tensors' parts are
+        copied at once."""
+        devices, view = set(), buf.view
+        for kind, parts in self.segments(chunk):
+            if (kind == "strided") != ordered:
                 continue
-            staged = self.staged(buf, part)
-            if flat is not None:
-                self.streams.enqueue(partial(_copy, flat[part.lo : part.hi], staged))
+            part = parts[0]
+            i = part.piece
+            if kind == "host":
+                self.host[i][part.lo : part.hi] = view[part.at : part.at + part.hi - part.lo]  # type: ignore[index]
+                continue
+            devices.add(self.device[i])
+            if kind == "strided":
+                t = self.pieces[i].tensor
+                assert t is not None
+                self.streams.enqueue(partial(copy_in, self.staged(buf, part), t, part.lo, part.hi, self._carry(i, t)))
+            elif len(parts) >= BATCH:
+                end = parts[-1].at + parts[-1].hi - parts[-1].lo
+                flats = [self.flat[p.piece][p.lo : p.hi] for p in parts]  # type: ignore[index]
+                self.streams.enqueue(partial(_scatter, buf.tensor[part.at : end], flats))
             else:
-                self.streams.enqueue(partial(copy_in, staged, t, part.lo, part.hi, self._carry(part.piece, t)))
-            devices.add(self.device[part.piece])
+                for p in parts:
+                    self.streams.enqueue(partial(_copy, self.flat[p.piece][p.lo : p.hi], self.staged(buf, p)))  # type: ignore[index]
         return self.streams.record(d for d in devices if d is not None)
+
+    def _read_into_host(self, chunk: Chunk) -> None:
+        """Read a chunk of host tensors' bytes straight into them, run by run of back-to-back
+        parts, and checksum them there."""
+        runs: list[tuple[int, list[memoryview]]] = []
+        end = -1
+        for part in chunk.parts:
+            pos = chunk.origin + part.at
+            view = self.host[part.piece][part.lo : part.hi]  # type: ignore[index]
+            if pos != end:
+                runs.append((pos, []))
+            runs[-1][1].append(view)
+            end = pos + part.hi - part.lo
+        for pos, views in runs:
+            nbytes = sum(len(v) for v in views)
+            got = _fileio.preadv_all(self.file.fd, views, pos, self.file.path)
+            if got < nbytes:
+                self._truncated(pos + got)
+        if self.checksum:
+            self.part_crcs[chunk.index] = [
+                (p.piece, _checksum.crc_of(self.host[p.piece][p.lo : p.hi]), p.hi - p.lo)  # type: ignore[index]
+                for p in chunk.parts]
+
+    def _truncated(self, file_end: int) -> None:
+        """Report a file that ends at ``file_end`` for the whole read."""
+        begin, end = self.chunks[0].start, max(c.stop for c in self.chunks)
+        raise TruncatedFileError(self.file.path, begin, end - begin, max(0, file_end - begin))
 
     def _carry(self, piece: int, t: torch.Tensor) -> torch.Tensor:
         if piece not in self._carries:
@@ -93,9 +150,8 @@ class ReadEngine(Engine):
         else:
             lo = chunk.start
             got = _fileio.pread_into(self.file.fd, buf.view[lo - origin : chunk.stop - origin], lo, path)
-        if lo + got < chunk.stop:  # the file ends at lo + got: report it for the whole read
-            begin, end = self.chunks[0].start, max(c.stop for c in self.chunks)
-            raise TruncatedFileError(path, begin, end - begin, max(0, lo + got - begin))
+        if lo + got < chunk.stop:  # the file ends at lo + got
+            self._truncated(lo + got)
 
     def _result(self) -> list[int]:
         values = super()._result()
@@ -114,6 +170,18 @@ class ReadEngine(Engine):
             if picked:
                 out.setdefault(self.device[i], []).append(i)
         return out
+
+
+def _host_runs(chunk: Chunk, host: list[memoryview | None]) -> bool:
+    """Whether every part of the chunk is a host tensor's, in file order without overlap (holes
+    are fine: each run of back-to-back parts is one read)."""
+    end = -1
+    for part in chunk.parts:
+        pos = chunk.origin + part.at
+        if host[part.piece] is None or pos < end:
+            return False
+        end = pos + part.hi - part.lo
+    return True
 
 
 class _Turns:

@@ -14,7 +14,7 @@ import torch
 from .. import _fileio
 from .._settings import ALIGN
 from .buffers import StagingBuffer
-from .engine import Engine
+from .engine import BATCH, Engine
 from .layout import copy_out
 from .plan import Chunk
 
@@ -23,25 +23,42 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+def _gather(flats: list[torch.Tensor], staged: torch.Tensor) -> None:
+    """Many small device tensors' bytes to the staging buffer: gathered on the device, then
+    one copy (instead of one copy, and its launch, each)."""
+    scratch = torch.empty(staged.numel(), dtype=torch.uint8, device=flats[0].device)
+    torch.cat(flats, out=scratch)
+    staged.copy_(scratch, non_blocking=True)
+
+
 class WriteEngine(Engine):
     """Writes each piece's tensor bytes at its file offset (pieces back to back)."""
 
     writing = True
 
-    def _move(self, chunk: Chunk, buf: StagingBuffer) -> None:
-        devices = set()
-        for part in chunk.parts:
-            t = self.pieces[part.piece].tensor
-            if t is None:
+    def _move(self, chunk: Chunk, buf: StagingBuffer | None) -> None:
+        assert buf is not None
+        devices, view = set(), buf.view
+        for kind, parts in self.segments(chunk):
+            part = parts[0]
+            i = part.piece
+            if kind == "host":  # immediate: host memory to host memory
+                view[part.at : part.at + part.hi - part.lo] = self.host[i][part.lo : part.hi]  # type: ignore[index]
                 continue
-            flat, staged = self.flat[part.piece], self.staged(buf, part)
-            if flat is not None:
-                self.streams.enqueue(partial(_copy, staged, flat[part.lo : part.hi]))
+            devices.add(self.device[i])
+            if kind == "strided":
+                t = self.pieces[i].tensor
+                assert t is not None
+                self.streams.enqueue(partial(copy_out, t, part.lo, part.hi, self.staged(buf, part)))
+            elif len(parts) >= BATCH:
+                end = parts[-1].at + parts[-1].hi - parts[-1].lo
+                flats = [self.flat[p.piece][p.lo : p.hi] for p in parts]  # type: ignore[index]
+                self.streams.enqueue(partial(_gather, flats, buf.tensor[part.at : end]))
             else:
-                self.streams.enqueue(partial(copy_out, t, part.lo, part.hi, staged))
-            devices.add(self.device[part.piece])
+                for p in parts:
+                    self.streams.enqueue(partial(_copy, self.staged(buf, p), self.flat[p.piece][p.lo : p.hi]))  # type: ignore[index]
         for event in self.streams.record(d for d in devices if d is not None):
-            event.synchronize()
+            event.synchronize()  # the buffer holds the chunk only once its copies are done
         if self.checksum:
             self.host_crcs(chunk, buf)
         self._write(chunk, buf)
