@@ -5,10 +5,13 @@ atomically is ``_publish``'s job."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import io
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -268,6 +271,39 @@ def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> int:
             first += 1
         skip = n
     return done
+
+
+def resident_fraction(fd: int, offset: int, length: int) -> float | None:
+    """The fraction of the file's bytes offset..offset+length in the page cache (mincore over a
+    private mapping: nothing is read); None where it cannot be told."""
+    mincore = getattr(_libc(), "mincore", None)
+    start = round_down(offset, mmap.PAGESIZE)
+    size = offset + length - start
+    if mincore is None or length <= 0:
+        return None
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, ValueError):
+        return None
+    try:
+        anchor = ctypes.c_char.from_buffer(mapped)  # its address; the mapping stays unread
+        try:
+            ok = mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) == 0
+        finally:
+            del anchor  # the mapping cannot close while a ctypes object points into it
+    finally:
+        mapped.close()
+    return (pages - bytes(vec).count(0)) / pages if ok else None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def check_length(fd: int, path: str, offset: int, nbytes: int) -> None:

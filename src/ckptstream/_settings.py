@@ -66,6 +66,9 @@ class Settings:
         direct_io: "auto" uses O_DIRECT for writes where the file system and alignment allow
             (reads keep the page cache), "on" forces it (an error where the file system
             refuses it; buffer_size must be a multiple of 4096), "off" never uses it.
+        hot_io_threads: I/O threads of a load whose bytes the page cache already holds (such a
+            load is bound by memory copies, not by the disk), up to the number of cores; the
+            same staging memory is split among them. Set it to io_threads to turn this off.
     """
 
     # Defaults from the staging sweep (docs/benchmarks.md).
@@ -73,9 +76,10 @@ class Settings:
     num_buffers: int = 8
     io_threads: int = 8
     direct_io: DirectIO = DirectIO.AUTO
+    hot_io_threads: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("buffer_size", "num_buffers", "io_threads"):
+        for name in ("buffer_size", "num_buffers", "io_threads", "hot_io_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -90,6 +94,7 @@ _ENVIRONMENT = {
     "num_buffers": "CKPTSTREAM_NUM_BUFFERS",
     "io_threads": "CKPTSTREAM_IO_THREADS",
     "direct_io": "CKPTSTREAM_DIRECT_IO",
+    "hot_io_threads": "CKPTSTREAM_HOT_IO_THREADS",
 }
 
 

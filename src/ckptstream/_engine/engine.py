@@ -45,6 +45,7 @@ class Engine:
                  stream: torch.cuda.Stream | None = None, after: streams.Mark | None = None,
                  checksum: bool = False, progress: Progress | None = None) -> None:
         check_pieces(pieces, writing=self.writing)
+        cfg = self.tune(cfg, file, pieces)
         self.file, self.pieces, self.cfg, self.checksum = file, pieces, cfg, checksum
         self.streams = streams.make((p.tensor for p in pieces if p.tensor is not None), stream, after)
         direct = cfg.direct_io is DirectIO.ON or (
@@ -151,6 +152,10 @@ class Engine:
                 self._release()
 
     # --- the I/O threads ------------------------------------------------------------------
+
+    def tune(self, cfg: Settings, file: OpenFile, pieces: Sequence[Piece]) -> Settings:
+        """The settings of this transfer (an engine may adapt them to its work)."""
+        return cfg
 
     def staged_chunks(self) -> int:
         """How many chunks go through staging buffers (all, unless an engine moves some without)."""

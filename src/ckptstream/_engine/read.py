@@ -12,6 +12,8 @@ by a chunk's end waits in a carry until the next chunk completes it.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -21,12 +23,13 @@ import torch
 
 from .. import _checksum, _fileio
 from .._errors import TruncatedFileError
-from .._settings import ALIGN
+from .._fileio import OpenFile
+from .._settings import ALIGN, DirectIO, Settings
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
 from .layout import copy_in
-from .plan import Chunk
+from .plan import Chunk, Piece
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -39,6 +42,10 @@ def _scatter(staged: torch.Tensor, flats: list[torch.Tensor]) -> None:
     scratch = torch.empty(staged.numel(), dtype=torch.uint8, device=flats[0].device)
     scratch.copy_(staged, non_blocking=True)
     torch._foreach_copy_(flats, list(scratch.split([f.numel() for f in flats])))
+
+
+HOT_FROM = 64 << 20  # smaller loads finish before more threads would pay
+HOT_SHARE = 0.9  # of the bytes in the page cache: a hot load
 
 
 class ReadEngine(Engine):
@@ -59,6 +66,20 @@ class ReadEngine(Engine):
 
     def staged_chunks(self) -> int:
         return self._unstaged.count(False)
+
+    def tune(self, cfg: Settings, file: OpenFile, pieces: Sequence[Piece]) -> Settings:
+        """A load from a file the page cache holds is bound by memory copies, not by the disk:
+        then more readers (hot_io_threads, up to the cores), the same staging split among them."""
+        threads = min(cfg.hot_io_threads, os.cpu_count() or 1)
+        moved = [p for p in pieces if p.hi > p.lo]
+        if threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved:
+            return cfg
+        begin, end = min(p.offset for p in moved), max(p.end for p in moved)
+        if end - begin < HOT_FROM or (_fileio.resident_fraction(file.fd, begin, end - begin) or 0) < HOT_SHARE:
+            return cfg
+        staging = cfg.buffer_size * cfg.num_buffers
+        size = max(ALIGN, staging // max(threads, cfg.num_buffers) // ALIGN * ALIGN)
+        return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=max(threads, cfg.num_buffers))
 
     def _has_ordered(self, chunk: Chunk) -> bool:
         """Whether the chunk holds parts of non-contiguous tensors."""

@@ -71,7 +71,7 @@ class WriteEngine(Engine):
         if self.direct_fd is not None:
             a_lo, a_hi = _fileio.round_up(lo, ALIGN), _fileio.round_down(hi, ALIGN)
             if a_lo < a_hi:
-                _fileio.pwrite_all(self.direct_fd, buf.view[a_lo - origin : a_hi - origin], a_lo, path)
+                self.file.pwrite_direct(buf.view[a_lo - origin : a_hi - origin], a_lo)
                 _fileio.pwrite_all(self.file.fd, buf.view[lo - origin : a_lo - origin], lo, path)
                 _fileio.pwrite_all(self.file.fd, buf.view[a_hi - origin : hi - origin], a_hi, path)
                 return
