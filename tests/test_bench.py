@@ -26,7 +26,7 @@ from ckptstream.bench.multirank import Group
 from ckptstream.bench.state import StateSpec, build_state, flat_tensors, gpt_shapes, state_nbytes
 
 TINY = str(1 / 128)  # GiB
-DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream verify=False", "torch", "torch mmap", "safetensors", "dcp"]
+DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream checksum=False", "torch", "torch mmap", "safetensors", "dcp"]
 
 
 def bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Any]:
@@ -223,7 +223,7 @@ def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
 
 def test_verify_cost_compares_the_hot_loads_with_and_without_checksums() -> None:
     rows = [{"label": "ckptstream", "hot": {"gbps": 9.0}}, {"label": "torch", "hot": {"gbps": 1.0}},
-            {"label": "ckptstream verify=False", "hot": {"gbps": 10.0}}]
+            {"label": "ckptstream checksum=False", "hot": {"gbps": 10.0}}]
     assert report.verify_cost(rows) == pytest.approx(0.1)
     assert report.verify_cost(rows[:2]) is None
     assert report.verify_cost([dict(rows[0], hot=None), rows[2]]) is None
@@ -294,7 +294,7 @@ def _fabricated_raw(nbytes: int, ranks: int = 1) -> dict[str, Any]:
     ceiling = {"bytes": nbytes, "block": 64 * MiB, "direct": True, "resident": [0.0],
                "write": {"1": [gb / 2]}, "read": {"1": [gb / 2]}, "hot": {"1": [gb / 20]}}
     return {"cold_method": "drop_caches", "notes": [], "failed": {}, "ceilings": [ceiling] * ranks, "systems": {
-        "ckptstream": system(gb, {"ckptstream": (gb / 1.5, gb / 8), "ckptstream verify=False": (gb / 1.6, gb / 10)},
+        "ckptstream": system(gb, {"ckptstream": (gb / 1.5, gb / 8), "ckptstream checksum=False": (gb / 1.6, gb / 10)},
                              staging=128 * MiB),
         "torch": system(gb * 4, {"torch": (gb * 2, gb), "torch mmap": (gb, gb / 5)}),
         "safetensors": system(gb * 4, {"safetensors": (gb, gb / 5)}),

@@ -101,7 +101,7 @@ def speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
 def verify_cost(rows: list[dict[str, Any]]) -> float | None:
     """1 - (hot load with checksums verified) / (hot load without): the cost of verifying."""
     hot = {row["label"]: row["hot"] for row in rows}
-    on, off = hot.get("ckptstream"), hot.get("ckptstream verify=False")
+    on, off = hot.get("ckptstream"), hot.get("ckptstream checksum=False")
     return 1 - on["gbps"] / off["gbps"] if on and off else None
 
 

@@ -64,7 +64,7 @@ def _ck_load(path: str, like: Any, device: str, world: int) -> Any:
 
 
 def _ck_load_unverified(path: str, like: Any, device: str, world: int) -> Any:
-    return ckptstream.load(path, device=device, verify=False)  # beside the row above: what verifying costs
+    return ckptstream.load(path, device=device, checksum=False)  # beside the row above: what verifying costs
 
 
 def _ck_load_into(path: str, target: Any, device: str, world: int) -> Any:
@@ -147,7 +147,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("ckptstream", "ckptstream", "safetensors", _ck_save,
                (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True),
-                Variant("ckptstream verify=False", _ck_load_unverified))),
+                Variant("ckptstream checksum=False", _ck_load_unverified))),
         System("engine", "ckptstream", "bin", _engine_save, (Variant("engine", _engine_load),)),
         System("torch", "torch", "pt", _torch_save,
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),

@@ -101,7 +101,7 @@ def render_report(report: dict[str, Any]) -> str:
     out = _header(report) + _rows(report) + _speedups(report)
     if report.get("verify_cost") is not None:
         out += ["", f"verifying checksums cost {report['verify_cost']:.1%} of ckptstream's hot load speed "
-                    "(ckptstream against ckptstream verify=False)"]
+                    "(ckptstream against ckptstream checksum=False)"]
     out += _targets(report)
     out += [f"note: {note}" for note in report["notes"]]
     out += [f"FAILED: {what}: {error}" for what, error in report["failed"].items()]
