@@ -1,35 +1,40 @@
-"""Shared test helpers: the ``device`` fixture, a table of edge-case tensors, poisoned
-destinations, byte-exact comparison and leak checks.
+"""Fixtures and hooks of the test suite (the helpers are in helpers.py).
 
-Test modules import the helpers directly (``from conftest import EDGE_CASES, poison, ...``);
-pytest puts this directory on ``sys.path``.
+- ``device``: every test taking it runs on ``cpu`` and, marked ``gpu``, on ``cuda``;
+- one collection hook skips ``gpu``-marked tests where torch sees no CUDA device;
+- ``direct_io``: a test runs under each O_DIRECT mode; ``jitter``: I/O threads finish out of order;
+- every test draws its random data from a seed of its own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
-import os
-import threading
+import random
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from ckptstream import _buffers, _pipeline
-
-CUDA = torch.cuda.is_available()
-POISON_BYTE = 0xAB  # never produced by random_bytes, so an unwritten byte always shows
-
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]),
-]
+import ckptstream
+from ckptstream import DirectIO, _fileio
+from helpers import CUDA, READ_CALLS, direct_io_supported
 
 
-@pytest.fixture(params=DEVICES)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``gpu`` (the ``cuda`` half of the ``device`` fixture included) where
+    torch sees no CUDA device."""
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
@@ -40,192 +45,25 @@ def _seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-# --- random data ----------------------------------------------------------------------------
+@pytest.fixture(params=[DirectIO.OFF, DirectIO.ON, DirectIO.AUTO], ids=["buffered", "direct", "auto"])
+def direct_io(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DirectIO]:
+    """Runs the test under ``ckptstream.settings(direct_io=...)`` for each mode."""
+    if request.param is DirectIO.ON and not direct_io_supported(tmp_path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    with ckptstream.settings(direct_io=request.param):
+        yield request.param
 
 
-def random_bytes(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``n`` random bytes (uint8) that never equal POISON_BYTE."""
-    b = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
-    b[b == POISON_BYTE] = POISON_BYTE ^ 0xFF
-    return b
+@pytest.fixture
+def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short random sleeps before every pwrite/pread, so that I/O threads finish out of order."""
+    rng = random.Random(1234)
 
+    def delayed(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            time.sleep(rng.random() * 3e-4)
+            return real(*args)
+        return call
 
-_NORMAL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}
-
-
-def random_tensor(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """A contiguous tensor of random values: normal floats, random bit patterns for integer and
-    8-bit float dtypes, random True/False for bool."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, device=device).bool()
-    if dtype in _NORMAL_DTYPES:
-        return torch.randn(shape, dtype=dtype, device=device)
-    esz = torch.empty((), dtype=dtype).element_size()
-    return random_bytes(math.prod(shape) * esz, device).view(dtype).reshape(shape)
-
-
-# --- poison and byte comparison -------------------------------------------------------------
-
-
-def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` (contiguous or a non-overlapping view) with POISON_BYTE bytes; returns ``t``."""
-    if t.is_contiguous():
-        t.reshape(-1).view(torch.uint8).fill_(POISON_BYTE)
-    else:
-        t.copy_(poison(torch.empty(t.shape, dtype=t.dtype, device=t.device)))
-    return t
-
-
-def poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous poisoned tensor with ``t``'s shape, dtype and device."""
-    return poison(torch.empty(t.shape, dtype=t.dtype, device=t.device))
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    """The logical row-major bytes of ``t`` (what ``t.contiguous()`` holds), on the host."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def packed_spans(tensors: list[torch.Tensor], start: int) -> list[_pipeline.Span]:
-    """Spans of ``tensors`` back to back in a file, from byte ``start``."""
-    spans, offset = [], start
-    for t in tensors:
-        spans.append(_pipeline.Span.of(t, offset))
-        offset += t.numel() * t.element_size()
-    return spans
-
-
-def assert_bytes_equal(actual: torch.Tensor | bytes, expected: torch.Tensor | bytes) -> None:
-    """Byte-exact comparison (NaN payloads, -0.0 and invalid bools included), with a short
-    message naming the first differing byte instead of a dump."""
-    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-        assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype)
-    a = actual if isinstance(actual, bytes) else as_bytes(actual)
-    e = expected if isinstance(expected, bytes) else as_bytes(expected)
-    if a != e:
-        first = next((i for i, (x, y) in enumerate(zip(a, e, strict=False)) if x != y), min(len(a), len(e)))
-        still_poison = sum(1 for x in a if x == POISON_BYTE)
-        pytest.fail(f"bytes differ: {len(a)} vs {len(e)} bytes, first difference at byte {first} "
-                    f"({a[first:first + 8].hex()} vs {e[first:first + 8].hex()}); {still_poison} poison bytes left")
-
-
-# --- the edge-case table --------------------------------------------------------------------
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@dataclasses.dataclass(frozen=True)
-class EdgeCase:
-    """A tensor to stream: ``view`` of a random contiguous base of ``shape`` and ``dtype``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    view: Callable[[torch.Tensor], torch.Tensor] = _same
-    writable: bool = True  # False: the view's elements share memory (expand); not a destination
-
-    def source(self, device: torch.device | str) -> torch.Tensor:
-        return self.view(random_tensor(self.shape, self.dtype, device))
-
-    def destination(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A poisoned base and the view of it to read into (check the base's bytes outside the
-        view stay poisoned with ``expected_base``)."""
-        base = poison(torch.empty(self.shape, dtype=self.dtype, device=device))
-        return base, self.view(base)
-
-    def expected_base(self, src: torch.Tensor) -> torch.Tensor:
-        """What a destination base holds after a correct read of ``src``."""
-        base = poison(torch.empty(self.shape, dtype=self.dtype, device=src.device))
-        self.view(base).copy_(src)
-        return base
-
-
-def _optional_dtypes(*names: str) -> list[torch.dtype]:
-    return [getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)]
-
-
-DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
-    *_optional_dtypes("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                      "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"),
-]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-EDGE_CASES = [
-    EdgeCase("0d", (), torch.float32),
-    EdgeCase("0d_view_into_storage", (10,), torch.float64, lambda t: t[3]),
-    EdgeCase("empty", (0,), torch.float32),
-    EdgeCase("empty_2d", (3, 0), torch.int64),
-    EdgeCase("one_byte", (1,), torch.uint8),
-    EdgeCase("odd_bytes_7", (7,), torch.int8),
-    EdgeCase("odd_bytes_4097", (4097,), torch.uint8),
-    EdgeCase("odd_bytes_fp8_3x5", (3, 5), torch.float8_e4m3fn),
-    EdgeCase("odd_bytes_bool_13", (13,), torch.bool),
-    *[EdgeCase(f"dtype_{dtype_name(d)}", (7, 5), d) for d in DTYPES],
-    EdgeCase("view_into_larger_storage", (100,), torch.float32, lambda t: t[37:91]),
-    EdgeCase("transpose", (33, 17), torch.float32, lambda t: t.t()),
-    EdgeCase("transpose_fp8", (9, 7), torch.float8_e5m2, lambda t: t.t()),
-    EdgeCase("transpose_complex", (6, 5), torch.complex64, lambda t: t.t()),
-    EdgeCase("permute_3d_bf16", (5, 7, 3), torch.bfloat16, lambda t: t.permute(2, 0, 1)),
-    EdgeCase("strided_slice", (40, 30), torch.float16, lambda t: t[::3, 1::2]),
-    EdgeCase("step_1d", (1000,), torch.int32, lambda t: t[::7]),
-    EdgeCase("column", (50, 9), torch.uint8, lambda t: t[:, 4]),
-    EdgeCase("window_odd_bytes", (20, 20), torch.uint8, lambda t: t[3:16, 5:12]),
-    EdgeCase("bool_every_other", (31,), torch.bool, lambda t: t[1::2]),
-    EdgeCase("expanded", (1, 13), torch.float64, lambda t: t.expand(9, 13), writable=False),
-    EdgeCase("expanded_middle", (4, 1, 6), torch.int16, lambda t: t.expand(4, 5, 6), writable=False),
-]
-EDGE_CASE_NAMES = [c.name for c in EDGE_CASES]
-WRITABLE_EDGE_CASES = [c for c in EDGE_CASES if c.writable]
-
-
-def edge_case_tensors(device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
-    """(name, random tensor) for every edge case, on ``device``."""
-    return [(c.name, c.source(device)) for c in EDGE_CASES]
-
-
-# --- leak checks ----------------------------------------------------------------------------
-
-
-def open_fds() -> dict[int, str]:
-    """This process's open descriptors and what they point to."""
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # listdir's own descriptor is gone by now
-            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-    return fds
-
-
-def engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("ckptstream")]
-
-
-@dataclasses.dataclass
-class Resources:
-    """What a transfer may hold: descriptors, staging buffers, threads. Take the snapshot after
-    a first transfer on the device, so that lazily opened driver descriptors do not count."""
-
-    fds: dict[int, str]
-    pool_in_use: int
-
-    @classmethod
-    def snapshot(cls) -> Resources:
-        return cls(open_fds(), _buffers.POOL.in_use)
-
-    def assert_released(self) -> None:
-        """No engine thread alive, every staging buffer back in the pool, no new descriptor of a
-        file (devices, pipes and sockets a CUDA driver may open lazily do not count)."""
-        assert engine_threads() == []
-        assert _buffers.POOL.in_use == self.pool_in_use == 0
-        leaked = {fd: target for fd, target in open_fds().items()
-                  if self.fds.get(fd) != target and target.startswith("/") and not target.startswith("/dev/")}
-        assert leaked == {}
+    for name in ("pwrite_all", *READ_CALLS):
+        monkeypatch.setattr(_fileio, name, delayed(getattr(_fileio, name)))

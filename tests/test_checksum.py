@@ -1,5 +1,5 @@
-"""CRC-32C: per-piece CRCs combine into the CRC of the concatenation, and the pipeline's
-per-tensor checksums (computed chunk by chunk on I/O threads) equal crc32c of each tensor's bytes."""
+"""CRC-32C: per-piece CRCs combine into the CRC of the concatenation, and the engines'
+per-piece checksums (computed chunk by chunk on I/O threads) equal crc32c of each tensor's bytes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import crc32c
 import pytest
 import torch
 
-from ckptstream import Settings, _checksum, _fileio, _pipeline
-from conftest import EDGE_CASES, as_bytes, assert_bytes_equal, packed_spans, poisoned_like
+from ckptstream import Settings, _checksum, _fileio
+from ckptstream._engine import Piece, ReadEngine, WriteEngine
+from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, packed_pieces, poisoned_like
 
 
 def crc(data: bytes) -> int:
@@ -20,7 +21,7 @@ def crc(data: bytes) -> int:
 
 
 def combine_pieces(pieces: list[tuple[int, int]]) -> int:
-    """CRC-32C of consecutive pieces given as (crc, length), folded as the pipeline does."""
+    """CRC-32C of consecutive pieces given as (crc, length), folded as the engines do."""
     return _checksum.span_crcs(1, [[(0, c, n) for c, n in pieces]])[0]
 
 
@@ -29,8 +30,9 @@ def test_check_value() -> None:
     assert _checksum.crc_of(memoryview(b"123456789")[3:]) == crc(b"456789")
 
 
-def test_multmodp_of_zero() -> None:
-    assert _checksum._multmodp(0, 0x12345678) == 0 and _checksum._multmodp(0x12345678, 0) == 0
+def test_multiply_by_zero() -> None:
+    assert _checksum.multiply(0, 0x12345678) == 0
+    assert _checksum.multiply(0x12345678, 0) == 0
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -100,26 +102,26 @@ def test_combine_is_associative_for_huge_lengths(lengths: tuple[int, int]) -> No
 
 
 @pytest.mark.parametrize("buffer_size", [7, 4096, 1 << 20])
-def test_pipeline_checksums_per_tensor(device: torch.device, tmp_path: Path, buffer_size: int) -> None:
+def test_engine_checksums_per_tensor(device: torch.device, tmp_path: Path, buffer_size: int) -> None:
     """Tensors packed back to back (several per chunk, or one over many chunks, cut mid-element):
-    write_spans and read_spans (into tensors, or only checksumming bytes) return crc32c of each
-    tensor's logical bytes."""
+    the write engine and the read engine (into tensors, or only checksumming bytes) return
+    crc32c of each tensor's logical bytes."""
     sources = [case.source(device) for case in EDGE_CASES]
-    spans = packed_spans(sources, 3)
+    pieces = packed_pieces(sources, 3)
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
     cfg = Settings(buffer_size=buffer_size, num_buffers=3, io_threads=3)
-    with _fileio.endpoint(path, None, writing=True) as ep:
-        assert _pipeline.write_spans(ep, spans, cfg, checksum=True) == expected
+    with _fileio.opened(path, None, writing=True) as (file, _):
+        assert WriteEngine(file, pieces, cfg, checksum=True).run() == expected
     assert crc(path.read_bytes()) == combine_pieces([(crc(bytes(3)), 3)] + [
-        (c, s.nbytes) for c, s in zip(expected, spans, strict=True)])
+        (c, p.nbytes) for c, p in zip(expected, pieces, strict=True)])
 
     read_cfg = Settings(buffer_size=buffer_size + 5, num_buffers=2, io_threads=2)
-    bytes_only = [_pipeline.Span(None, s.offset, s.nbytes) for s in spans]
+    bytes_only = [Piece.unread(p.nbytes, p.offset) for p in pieces]
     targets = [poisoned_like(t) for t in sources]
-    into = [_pipeline.Span.of(t, s.offset) for t, s in zip(targets, spans, strict=True)]
-    with _fileio.endpoint(path, 0, writing=False) as ep:
-        assert _pipeline.read_spans(ep, bytes_only, read_cfg, checksum=True) == expected
-        assert _pipeline.read_spans(ep, into, read_cfg, checksum=True) == expected
+    into = [Piece.of(t, p.offset) for t, p in zip(targets, pieces, strict=True)]
+    with _fileio.opened(path, 0, writing=False) as (file, _):
+        assert ReadEngine(file, bytes_only, read_cfg, checksum=True).run() == expected
+        assert ReadEngine(file, into, read_cfg, checksum=True).run() == expected
     for target, source in zip(targets, sources, strict=True):
         assert_bytes_equal(target, source)

@@ -32,29 +32,36 @@ def checkpoint(tmp_path):
 def test_inspect_table_lists_tensors_metadata_and_structure(checkpoint):
     out = run_cli("inspect", str(checkpoint))
     assert out.returncode == 0, out.stderr
-    assert "3 tensors" in out.stdout and "checksums: crc32c" in out.stdout
-    assert "model.w" in out.stdout and "F32" in out.stdout and "[16, 8]" in out.stdout and "512 B" in out.stdout
+    assert "3 tensors" in out.stdout
+    assert "checksums: crc32c" in out.stdout
+    assert "model.w" in out.stdout
+    assert "F32" in out.stdout
+    assert "[16, 8]" in out.stdout
+    assert "512 B" in out.stdout
     assert "run: alpha" in out.stdout
-    assert "model: 2 tensors, 576 B" in out.stdout and "optim: 1 tensors, 512 B" in out.stdout
+    assert "model: 2 tensors, 576 B" in out.stdout
+    assert "optim: 1 tensors, 512 B" in out.stdout
 
 
 def test_inspect_json(checkpoint):
     out = run_cli("inspect", str(checkpoint), "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert {t["name"]: (t["dtype"], t["shape"], t["bytes"]) for t in d["tensors"]} == {
+    assert {t["key"]: (t["dtype"], t["shape"], t["bytes"]) for t in d["tensors"]} == {
         "model.w": ("F32", [16, 8], 512),
         "model.b": ("F64", [8], 64),
         "optim.state.0.exp_avg": ("F32", [16, 8], 512),
     }
-    assert d["metadata"] == {"run": "alpha"} and d["checksums"] == "crc32c"
-    assert d["data_offset"] % 4096 == 0 and d["data_bytes"] == 1088
+    assert d["metadata"] == {"run": "alpha"}
+    assert d["checksums"] == "crc32c"
+    assert d["data_offset"] % 4096 == 0
+    assert d["data_bytes"] == 1088
     assert d["structure"] == {"model": {"tensors": 2, "bytes": 576}, "optim": {"tensors": 1, "bytes": 512}}
 
 
 def test_verify_sound_file_exits_0(checkpoint):
     out = run_cli("verify", str(checkpoint))
-    assert (out.returncode, out.stdout.strip()) == (0, f"{checkpoint}: OK")
+    assert (out.returncode, out.stdout.strip()) == (0, f"{checkpoint}: OK (3 tensors, checksums verified)")
 
 
 def test_verify_corrupt_file_exits_1_with_the_reason(checkpoint):
@@ -63,13 +70,15 @@ def test_verify_corrupt_file_exits_1_with_the_reason(checkpoint):
     checkpoint.write_bytes(bytes(data))
     out = run_cli("verify", str(checkpoint))
     assert out.returncode == 1
-    assert "CRC-32C" in out.stderr and str(checkpoint) in out.stderr
+    assert "CRC-32C" in out.stderr
+    assert str(checkpoint) in out.stderr
 
 
 def test_verify_truncated_file_exits_1(checkpoint):
     os.truncate(checkpoint, checkpoint.stat().st_size - 100)
     out = run_cli("verify", str(checkpoint))
-    assert out.returncode == 1 and "truncated" in out.stderr
+    assert out.returncode == 1
+    assert "truncated" in out.stderr
 
 
 @pytest.mark.parametrize("args", [("verify",), ("inspect",), ("frobnicate", "x"), ("verify", "/nonexistent/file")])

@@ -1,4 +1,4 @@
-"""CRC-32C on the GPU (``_gpucrc``): the kernel equals crc32c on any length and start, loads that
+"""CRC-32C on the GPU (``_engine.gpucrc``): the kernel equals crc32c on any length and start, loads that
 verify into CUDA tensors checksum large pieces there and still catch every corrupt byte, and the
 host path takes over where the kernel cannot run."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import Settings, _checksum, _fileio, _gpucrc, _pipeline
-from conftest import CUDA, EDGE_CASES, as_bytes, assert_bytes_equal, packed_spans, poisoned_like
-
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+from ckptstream import Settings, _checksum, _fileio
+from ckptstream._engine import Piece, ReadEngine, WriteEngine
+from ckptstream._engine import gpucrc as _gpucrc
+from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, packed_pieces, poisoned_like
 
 
 def crc(data: bytes) -> int:
@@ -36,15 +36,15 @@ def test_finish_turns_a_register_into_the_crc() -> None:
 
 
 def test_tables_multiply_the_register_by_a_constant() -> None:
-    assert _gpucrc._times(_checksum._x8nmodp(1))[1] == 0xF26B8303  # the published CRC-32C byte table
+    assert _gpucrc._times(_checksum.shift(1))[1] == 0xF26B8303  # the published CRC-32C byte table
     rng = random.Random(6)
-    for constant in (_checksum._x8nmodp(4 * _gpucrc.LANES), rng.getrandbits(32)):
+    for constant in (_checksum.shift(4 * _gpucrc.LANES), rng.getrandbits(32)):
         tables = _gpucrc._times(constant)
         for r in (1, 0xFFFFFFFF, *(rng.getrandbits(32) for _ in range(50))):
             looked_up = 0
             for k in range(4):
                 looked_up ^= tables[k * 256 + (r >> (8 * k) & 0xFF)]
-            assert looked_up == _checksum._multmodp(r, constant)
+            assert looked_up == _checksum.multiply(r, constant)
 
 
 def test_host_only_without_cuda() -> None:
@@ -60,7 +60,6 @@ def test_host_without_torchs_kernel_loader(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("seed", range(3))
 def test_kernel_equals_crc32c(seed: int) -> None:
     """Lengths around the lane and block sizes and random ones, 4-byte aligned starts (what
@@ -94,10 +93,10 @@ def kernel_in_python(words: list[int], consts: list[int], lanes: int, per_lane: 
                 word = words[at] if at >= 0 else 0
                 r = (consts[r & 255] ^ consts[256 + (r >> 8 & 255)] ^ consts[512 + (r >> 16 & 255)]
                      ^ consts[768 + (r >> 24)] ^ word)
-            value ^= _checksum._multmodp(r, consts[1024 + lane])
+            value ^= _checksum.multiply(r, consts[1024 + lane])
         after = blocks - 1 - block
-        value = _checksum._multmodp(value, consts[1024 + lanes + after % shifts])
-        register ^= _checksum._multmodp(value, consts[1024 + lanes + shifts + after // shifts])
+        value = _checksum.multiply(value, consts[1024 + lanes + after % shifts])
+        register ^= _checksum.multiply(value, consts[1024 + lanes + shifts + after // shifts])
     return register
 
 
@@ -116,7 +115,8 @@ def test_kernel_arithmetic_gives_the_crc(monkeypatch: pytest.MonkeyPatch, nwords
 
 def test_eligible_bytes() -> None:
     base = torch.empty(4 << 20, dtype=torch.uint8)
-    assert _gpucrc.eligible(base) and _gpucrc.eligible(base[4:])
+    assert _gpucrc.eligible(base)
+    assert _gpucrc.eligible(base[4:])
     assert not _gpucrc.eligible(base[2:-2])  # unaligned start
     assert not _gpucrc.eligible(base[:-2])  # not whole words
     assert not _gpucrc.eligible(base[: _gpucrc.GPU_FROM - 4])  # small: on the host
@@ -137,24 +137,23 @@ def _large_sources(device: torch.device) -> list[torch.Tensor]:
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("gpu_from", [1, _gpucrc.GPU_FROM])
-def test_pipeline_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_from: int) -> None:
-    """read_spans into CUDA tensors returns crc32c of each tensor's bytes, whether checksummed on
+def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_from: int) -> None:
+    """A read engine into CUDA tensors returns crc32c of each tensor's bytes, whether checksummed on
     the GPU (the contiguous ones from gpu_from bytes: with 1, the edge cases too) or the host."""
     monkeypatch.setattr(_gpucrc, "GPU_FROM", gpu_from)
     device = torch.device("cuda")
     sources = _large_sources(device) + [case.source(device) for case in EDGE_CASES]
-    spans = packed_spans(sources, 5)
+    pieces = packed_pieces(sources, 5)
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
-    with _fileio.endpoint(path, None, writing=True) as ep:
-        _pipeline.write_spans(ep, spans, Settings(buffer_size=1 << 20, num_buffers=3, io_threads=3))
+    with _fileio.opened(path, None, writing=True) as (file, _):
+        WriteEngine(file, pieces, Settings(buffer_size=1 << 20, num_buffers=3, io_threads=3)).run()
     targets = [poisoned_like(t) for t in sources]
     targets[3] = poisoned_like(sources[2])[1:-2]  # 2 bytes into its storage: on the host
     assert sources[5]._base is not None
     targets[5] = poisoned_like(sources[5]._base)[1:]  # 4 bytes in: on the device
-    into = [_pipeline.Span.of(t, s.offset) for t, s in zip(targets, spans, strict=True)]
+    into = [Piece.of(t, p.offset) for t, p in zip(targets, pieces, strict=True)]
     taken: list[int] = []
     real_crcs = _gpucrc.crcs
 
@@ -164,17 +163,17 @@ def test_pipeline_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(_gpucrc, "crcs", crcs)
     cfg = Settings(buffer_size=(2 << 20) + 7, num_buffers=4, io_threads=3)
-    with _fileio.endpoint(path, 0, writing=False) as ep:
-        assert _pipeline.read_spans(ep, into, cfg, checksum=True) == expected
-    words = [s.nbytes for s, t in zip(spans, targets, strict=True)
-             if t.is_contiguous() and s.nbytes >= gpu_from and s.nbytes % 4 == 0 and t.data_ptr() % 4 == 0]
-    assert sorted(taken) == sorted(words) and len(taken) >= 3
+    with _fileio.opened(path, 0, writing=False) as (file, _):
+        assert ReadEngine(file, into, cfg, checksum=True).run() == expected
+    words = [p.nbytes for p, t in zip(pieces, targets, strict=True)
+             if t.is_contiguous() and p.nbytes >= gpu_from and p.nbytes % 4 == 0 and t.data_ptr() % 4 == 0]
+    assert sorted(taken) == sorted(words)
+    assert len(taken) >= 3
     for target, source in zip(targets, sources, strict=True):
         assert_bytes_equal(target, source)
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_corrupt_byte_found_on_the_device(tmp_path: Path) -> None:
     """A flipped bit deep inside a large tensor (checksummed on the GPU) is reported by name."""
     state = {"big": torch.randn(3 << 20, device="cuda"), "small": torch.randn(10, device="cuda")}
@@ -187,11 +186,10 @@ def test_corrupt_byte_found_on_the_device(tmp_path: Path) -> None:
     target = {k: torch.empty_like(v) for k, v in state.items()}
     with pytest.raises(ckptstream.CorruptCheckpointError, match="big"):
         ckptstream.load_into(target, path)
-    ckptstream.load_into(target, path, verify=False)  # the bytes themselves load
+    ckptstream.load_into(target, path, checksum=False)  # the bytes themselves load
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_failed_self_test_falls_back_to_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that fails, or that computes wrong values, is found by the self-test: a warning,
     then loads checksum on the host."""

@@ -12,18 +12,14 @@ import torch
 from torch import nn
 
 import ckptstream
-from ckptstream._format import DTYPE_NAMES
-from conftest import POISON_BYTE, WRITABLE_EDGE_CASES, assert_bytes_equal, poisoned_like, random_tensor
+from ckptstream._header import DTYPE_NAMES
+from helpers import WRITABLE_EDGE_CASES, assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
 
-def is_poisoned(t: torch.Tensor) -> bool:
-    return bool(t.detach().contiguous().reshape(-1).view(torch.uint8).eq(POISON_BYTE).all())
-
-
 def test_fills_tensors_in_place(device: torch.device, tmp_path: Path) -> None:
-    state = {
+    state: dict[Any, Any] = {
         "w": random_tensor((4, 5), device=device),
         "nested": {"b": random_tensor(5, torch.bfloat16, device), 3: [random_tensor(3, torch.int64, device)]},
         "step": 7, "name": "run ü", "lr": 0.5, "flags": (True, None),
@@ -37,7 +33,8 @@ def test_fills_tensors_in_place(device: torch.device, tmp_path: Path) -> None:
     }  # fmt: skip
     ptrs = [target["w"].data_ptr(), target["nested"]["b"].data_ptr(), target["nested"][3][0].data_ptr()]
     out = ckptstream.load_into(target, path)
-    assert out["w"] is target["w"] and out["nested"]["b"] is target["nested"]["b"]
+    assert out["w"] is target["w"]
+    assert out["nested"]["b"] is target["nested"]["b"]
     assert out["nested"][3][0] is target["nested"][3][0]
     assert [target["w"].data_ptr(), target["nested"]["b"].data_ptr(), target["nested"][3][0].data_ptr()] == ptrs
     assert_bytes_equal(target["w"], state["w"])
@@ -69,8 +66,13 @@ def test_parameters_requiring_grad(device: torch.device, tmp_path: Path) -> None
     t = nn.Parameter(poisoned_like(state["w"]).t())  # a non-contiguous parameter
     ptrs = (w.data_ptr(), t.data_ptr())
     out = ckptstream.load_into({"w": w, "t": t}, tmp_path / "ckpt.safetensors")
-    assert out["w"] is w and out["t"] is t and (w.data_ptr(), t.data_ptr()) == ptrs
-    assert w.requires_grad and t.requires_grad and w.grad is None and w.is_leaf
+    assert out["w"] is w
+    assert out["t"] is t
+    assert (w.data_ptr(), t.data_ptr()) == ptrs
+    assert w.requires_grad
+    assert t.requires_grad
+    assert w.grad is None
+    assert w.is_leaf
     assert_bytes_equal(w.detach(), state["w"])
     assert_bytes_equal(t.detach(), state["t"])
 
@@ -88,7 +90,8 @@ def test_mismatches_all_reported_before_any_write(tmp_path: Path) -> None:
     with pytest.raises(ckptstream.StateMismatchError) as e:
         ckptstream.load_into(target, tmp_path / "ckpt.safetensors")
     message = str(e.value)
-    assert isinstance(e.value, ValueError) and str(tmp_path / "ckpt.safetensors") in message
+    assert isinstance(e.value, ValueError)
+    assert str(tmp_path / "ckpt.safetensors") in message
     for fragment in ("missing from the file: extra", "missing from the file: n", "in the file but not in the state: b",
                      "c: the file has torch.float32 [2, 2], the state torch.float32 [2, 3]",
                      "d: the file has torch.int64 [5], the state torch.float32 [5]"):  # fmt: skip
@@ -97,9 +100,10 @@ def test_mismatches_all_reported_before_any_write(tmp_path: Path) -> None:
 
 
 def test_not_strict_loads_the_intersection_and_warns(tmp_path: Path) -> None:
-    state = {"a": random_tensor(3), "b": random_tensor(4), "step": 5, "deep": {"c": random_tensor(2)}}
+    state: dict[str, Any] = {"a": random_tensor(3), "b": random_tensor(4), "step": 5, "deep": {"c": random_tensor(2)}}
     ckptstream.save(state, tmp_path / "ckpt.safetensors")
-    target = {"a": poisoned_like(state["a"]), "extra": poisoned_like(torch.empty(2)), "deep": {"c": None}}
+    target: dict[str, Any] = {"a": poisoned_like(state["a"]), "extra": poisoned_like(torch.empty(2)),
+                              "deep": {"c": None}}
     with pytest.warns(ckptstream.StateMismatchWarning, match="skipped 1 missing key") as record:
         out = ckptstream.load_into(target, tmp_path / "ckpt.safetensors", strict=False)
     (warning,) = record
@@ -139,7 +143,7 @@ def test_shared_tensors_in_the_file_into_separate_targets(device: torch.device, 
 
 
 def test_tied_module_weights(tmp_path: Path) -> None:
-    def tied() -> nn.Module:
+    def tied() -> Any:  # an nn.Sequential, indexed by position below
         model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11, bias=False))
         model[1].weight = model[0].weight
         return model
@@ -148,7 +152,8 @@ def test_tied_module_weights(tmp_path: Path) -> None:
     ckptstream.save(source.state_dict(), tmp_path / "ckpt.safetensors")
     before = model[0].weight.data_ptr()
     ckptstream.load_into(model.state_dict(keep_vars=True), tmp_path / "ckpt.safetensors")
-    assert model[0].weight.data_ptr() == before and model[1].weight is model[0].weight
+    assert model[0].weight.data_ptr() == before
+    assert model[1].weight is model[0].weight
     assert_bytes_equal(model[0].weight.detach(), source[0].weight.detach())
 
 
@@ -168,10 +173,10 @@ def test_truncated_file_never_writes_into_targets(keep: str, tmp_path: Path) -> 
     assert all(is_poisoned(t) for t in target.values())
 
 
-def test_without_verification(tmp_path: Path) -> None:
+def test_without_checksums(tmp_path: Path) -> None:
     state = {"a": random_tensor(10), "b": random_tensor(3, torch.int16)}
     ckptstream.save(state, tmp_path / "ckpt.safetensors")
     target = {k: poisoned_like(v) for k, v in state.items()}
-    ckptstream.load_into(target, tmp_path / "ckpt.safetensors", verify=False)
+    ckptstream.load_into(target, tmp_path / "ckpt.safetensors", checksum=False)
     for k, v in state.items():
         assert_bytes_equal(target[k], v)

@@ -1,5 +1,5 @@
 """CUDA only (``pytest -m gpu``): ordering against the caller's stream, pinned staging buffers and
-a round trip past 4 GiB. The CPU/CUDA round trips and error paths of test_transfer.py also run
+a round trip past 4 GiB. The CPU/CUDA round trips and error paths of test_transfer_*.py also run
 on CUDA through the ``device`` fixture."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream._buffers import POOL, StagingBuffer
-from conftest import CUDA, POISON_BYTE, as_bytes, assert_bytes_equal, poisoned_like, random_tensor
+from ckptstream._engine.buffers import POOL, StagingBuffer
+from helpers import POISON_BYTE, as_bytes, assert_bytes_equal, poisoned_like, random_tensor
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 MiB, GiB = 1 << 20, 1 << 30
 # torch.cuda._sleep spins one GPU thread for this many clock cycles: ~0.25-0.5 s at 1-2 GHz,
@@ -134,7 +134,8 @@ def test_staging_buffers_are_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     dst = poisoned_like(src)
     ckptstream.file_to_device(tmp_path / "t.bin", dst, buffer_size=MiB, num_buffers=4)
     assert_bytes_equal(dst, src)
-    assert len(used) == 8 and all(b.pinned and b.tensor.is_pinned() for b in used)
+    assert len(used) == 8
+    assert all(b.pinned and b.tensor.is_pinned() for b in used)
 
 
 def test_round_trip_past_4_gib(tmp_path: Path) -> None:

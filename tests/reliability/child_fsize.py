@@ -17,7 +17,7 @@ import torch
 from relutil import KiB, MiB, assert_same_state, engine_threads, fd_count, small_state, temp_files
 
 import ckptstream
-from ckptstream import _buffers
+from ckptstream._engine.buffers import POOL
 
 LIMIT = 1 * MiB
 
@@ -28,9 +28,9 @@ def error_report(e: OSError) -> dict[str, Any]:
 
 def main() -> None:
     directory, direct = sys.argv[1], sys.argv[2]
-    direct_io = None if direct == "auto" else False
     path = os.path.join(directory, "ckpt.safetensors")
-    old, big = small_state(1), {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 3}  # 4 MiB > LIMIT
+    old = small_state(1)
+    big: dict[str, Any] = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 3}  # 4 MiB > LIMIT
     ckptstream.save(old, path)
     with open(path, "rb") as f:
         before = f.read()
@@ -41,13 +41,14 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, hard))
     report: dict[str, Any] = {"save": None, "device_to_file": None}
     try:
-        ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct_io)
+        ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct)
     except OSError as e:
         report["save"] = error_report(e)
     with open(path, "rb") as f:
         report["unchanged"] = f.read() == before
     report["temps"] = temp_files(directory, os.path.basename(path))
-    report["pool_in_use"], report["threads"], report["fds_leaked"] = _buffers.POOL.in_use, engine_threads(), fd_count() - fds
+    report["pool_in_use"], report["threads"] = POOL.in_use, engine_threads()
+    report["fds_leaked"] = fd_count() - fds
 
     raw = os.path.join(directory, "raw.bin")
     try:
@@ -60,7 +61,7 @@ def main() -> None:
     ckptstream.save(old, other)
     assert_same_state(ckptstream.load(other), old)
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
-    ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct_io)
+    ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct)
     assert_same_state(ckptstream.load(path), big)
     report["recovered"] = True
     print(json.dumps(report))

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ torch.set_num_threads(1)  # no OpenMP worker pool in this process: forking it st
 from relutil import MiB, training_state  # noqa: E402
 
 import ckptstream  # noqa: E402
-from ckptstream import _checkpoint, _fileio  # noqa: E402
+from ckptstream._engine import WriteEngine  # noqa: E402
 
 
 def emit(line: str) -> None:
@@ -35,23 +36,22 @@ def emit(line: str) -> None:
 
 def install_probes(marks: dict[str, float]) -> None:
     """Record when the data is written and when the rename starts (phase timing only)."""
-    write_spans, publish = getattr(_checkpoint, "write_spans", None), getattr(_fileio, "publish", None)
-    if write_spans is not None:
-        def timed_write_spans(*args: object, **kwargs: object) -> object:
-            result = write_spans(*args, **kwargs)
-            marks["data_written"] = time.monotonic()
-            return result
+    run, replace = WriteEngine.run, os.replace
 
-        _checkpoint.write_spans = timed_write_spans  # type: ignore[assignment]
-    if publish is not None:
-        def timed_publish(*args: object, **kwargs: object) -> object:
-            marks["publish"] = time.monotonic()
-            return publish(*args, **kwargs)
+    def timed_run(self: Any) -> list[int]:
+        result = run(self)
+        marks["data_written"] = time.monotonic()
+        return result
 
-        _fileio.publish = timed_publish  # type: ignore[assignment]
+    def timed_replace(src: str, dst: str, **kwargs: Any) -> None:
+        marks["publish"] = time.monotonic()  # the rename that publishes the file
+        replace(src, dst, **kwargs)
+
+    WriteEngine.run = timed_run  # type: ignore[method-assign]
+    os.replace = timed_replace  # type: ignore[assignment]
 
 
-def writer(path: str, state: object, direct_io: bool | None, buffer_size: int, num_buffers: int) -> None:
+def writer(path: str, state: object, direct_io: str, buffer_size: int, num_buffers: int) -> None:
     marks: dict[str, float] = {}
     install_probes(marks)
     emit(f"start {os.getpid()}")
@@ -72,8 +72,7 @@ def main() -> None:
         if pid == 0:
             code = 1
             try:
-                writer(path, states[int(version)], None if direct == "auto" else False, int(buffer_size),
-                       int(num_buffers))
+                writer(path, states[int(version)], direct, int(buffer_size), int(num_buffers))
                 code = 0
             finally:
                 os._exit(code)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptstream import _buffers
+from ckptstream._engine.buffers import POOL
 
 HERE = Path(__file__).resolve().parent
 KiB, MiB = 1 << 10, 1 << 20
@@ -42,7 +42,8 @@ def training_state(version: int, total_bytes: int, pieces: int = 8) -> dict[str,
 
         def pattern(mul: int, add: int, n: int = n) -> torch.Tensor:
             # distinct finite float32 bit patterns (below 2**30, never NaN), cheap to build
-            return torch.arange(n, dtype=torch.int32).mul_(mul).add_(add).bitwise_and_((1 << 30) - 1).view(torch.float32)
+            ints = torch.arange(n, dtype=torch.int32).mul_(mul).add_(add)
+            return ints.bitwise_and_((1 << 30) - 1).view(torch.float32)
 
         model[f"layer{i}.weight"] = pattern(version + 3, i)
         opt_state[i] = {
@@ -141,6 +142,7 @@ def fd_count() -> int:
 
 
 def engine_threads() -> list[str]:
+    """Names of ckptstream's engine threads still alive (they are named ``ckptstream-...``)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("ckptstream")]
 
 
@@ -164,7 +166,7 @@ def settled_rss_kib() -> int:
 def assert_released() -> None:
     """No engine thread alive and every staging buffer back in the pool."""
     assert engine_threads() == [], engine_threads()
-    assert _buffers.POOL.in_use == 0, _buffers.POOL.in_use
+    assert POOL.in_use == 0, POOL.in_use
 
 
 # --- child processes ----------------------------------------------------------------------------

@@ -137,7 +137,8 @@ def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -
             temps = temp_files(tmp_path, path.name)
             for name in temps:
                 match = pattern.fullmatch(name)
-                assert match and int(match.group(1)) in writers, f"unexpected file {name}"
+                assert match, f"unexpected file {name}"
+                assert int(match.group(1)) in writers, f"unexpected file {name}"
             assert len(temps) <= 1, f"temp files pile up: {temps}"
             # the path holds one complete checkpoint: the previous one or the new one
             ckptstream.verify(path)

@@ -10,6 +10,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,7 +49,9 @@ def test_file_size_limit_efbig(tmp_path: Path, direct: str) -> None:
     assert report["temps"] == [], "a temp file was left behind"
     assert (report["pool_in_use"], report["threads"], report["fds_leaked"]) == (0, [], 0)
     raw = report["device_to_file"]
-    assert raw is not None and raw["errno"] == errno.EFBIG and raw["filename"] == str(tmp_path / "raw.bin"), raw
+    assert raw is not None
+    assert raw["errno"] == errno.EFBIG, raw
+    assert raw["filename"] == str(tmp_path / "raw.bin"), raw
     assert report["recovered"]
 
 
@@ -88,13 +91,13 @@ def full_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
 def test_full_file_system_enospc(full_fs: Path, tmp_path: Path) -> None:
     path = full_fs / "ckpt.safetensors"
     old = small_state(1, scale=64)  # ~100 KiB
-    big = {"w": torch.arange(2 << 20, dtype=torch.float32), "step": 1}  # 8 MiB: more than the file system holds
+    big: dict[str, Any] = {"w": torch.arange(2 << 20, dtype=torch.float32), "step": 1}  # 8 MiB: more than the fs holds
     ckptstream.save(old, path)
     before = path.read_bytes()
     ckptstream.load(path)  # first use of everything, before counting descriptors
     fds = fd_count()
     for _ in range(3):  # again and again: nothing accumulates
-        with pytest.raises(OSError) as info:
+        with pytest.raises(OSError, match="No space left on device") as info:
             ckptstream.save(big, path, buffer_size=256 * KiB)
         assert info.value.errno == errno.ENOSPC, info.value
         assert_names_the_file(info.value, path)

@@ -1,6 +1,6 @@
-"""Failures inside the streaming pipeline: an I/O error in an I/O thread after k chunks, a
-failing device copy, a KeyboardInterrupt in the caller (raised by its own code, or delivered
-asynchronously while it waits for the I/O threads).
+"""Failures inside the streaming engine: an I/O error in an I/O thread after k chunks, a
+failing device copy, a KeyboardInterrupt (raised by a copy in an I/O thread, or delivered
+asynchronously to the caller while it waits for the I/O threads, or while they start).
 
 Each must reach the caller within 5 s, with the I/O threads joined, the staging buffers back in
 the pool, no descriptor left open, no temp file left and the previous checkpoint untouched;
@@ -34,11 +34,14 @@ from relutil import (
 )
 
 import ckptstream
-from ckptstream import _fileio, _pipeline
+from ckptstream import _fileio
+from ckptstream._engine import ReadEngine, WriteEngine
+from ckptstream._engine import read as read_engine
+from ckptstream._engine.engine import Engine
 
-CUDA = torch.cuda.is_available()
+READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0
-SMALL = {"buffer_size": 64 * KiB, "num_buffers": 2}  # ~32 chunks per MiB: failures land mid-stream
+SMALL: dict[str, Any] = {"buffer_size": 64 * KiB, "num_buffers": 2}  # ~32 chunks per MiB: failures land mid-stream
 
 
 def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
@@ -51,31 +54,38 @@ def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
 
 
 def in_io_thread() -> bool:
-    return threading.current_thread().name.startswith("ckptstream-")
+    """Whether this is one of the engines' own threads (the tests themselves run in the main one)."""
+    return threading.current_thread() is not threading.main_thread()
 
 
 @contextlib.contextmanager
-def fail_in_io_thread(monkeypatch: pytest.MonkeyPatch, name: str, after: int,
+def fail_in_io_thread(monkeypatch: pytest.MonkeyPatch, names: str | tuple[str, ...], after: int,
                       fail: Callable[[], None]) -> Iterator[list[int]]:
-    """Make ``_fileio.<name>`` call ``fail()`` on its (after+1)-th call from an I/O thread."""
-    original = getattr(_fileio, name)
+    """Make ``_fileio.<name>`` (any of ``names``, counted together) call ``fail()`` on its
+    (after+1)-th call from an I/O thread."""
+    names = (names,) if isinstance(names, str) else names
+    originals = {name: getattr(_fileio, name) for name in names}
     calls = [0]
     lock = threading.Lock()
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if in_io_thread():
-            with lock:
-                calls[0] += 1
-                n = calls[0]
-            if n == after + 1:
-                fail()
-        return original(*args, **kwargs)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if in_io_thread():
+                with lock:
+                    calls[0] += 1
+                    n = calls[0]
+                if n == after + 1:
+                    fail()
+            return original(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(_fileio, name, wrapper)
+    for name, original in originals.items():
+        monkeypatch.setattr(_fileio, name, wrap(original))
     try:
         yield calls
     finally:
-        monkeypatch.setattr(_fileio, name, original)
+        for name, original in originals.items():
+            monkeypatch.setattr(_fileio, name, original)
 
 
 def eio() -> None:
@@ -148,7 +158,7 @@ def test_read_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     ckptstream.save(state, path)
     READERS[reader](path, state)  # warm up
     fds = fd_count()
-    with ckptstream.settings(buffer_size=64 * KiB), fail_in_io_thread(monkeypatch, "pread_into", after, eio), \
+    with ckptstream.settings(buffer_size=64 * KiB), fail_in_io_thread(monkeypatch, READ_CALLS, after, eio), \
             reaches_caller(OSError):  # fmt: skip
         READERS[reader](path, state)
     assert_released()
@@ -156,34 +166,35 @@ def test_read_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert_same_state(ckptstream.load(path), state)  # the file itself is fine
 
 
-# --- KeyboardInterrupt in the caller ------------------------------------------------------------
+# --- KeyboardInterrupt -------------------------------------------------------------------------
 
 
-def raise_after(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, after: int,
-                exc: Callable[[], BaseException], caller_only: bool = True) -> None:
-    """Make ``module.<name>`` raise ``exc()`` on its (after+1)-th call, counting only the calls
-    made by the caller's thread (or, with ``caller_only=False``, by any thread)."""
-    original, calls, lock = getattr(module, name), [0], threading.Lock()
+def raise_after(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, after: int,
+                exc: Callable[[], BaseException]) -> None:
+    """Make ``owner.<name>`` raise ``exc()`` once its (after+1)-th call (counted over all
+    threads) has done its work (for a chunk's copies: once they are enqueued)."""
+    original, calls, lock = getattr(owner, name), [0], threading.Lock()
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not caller_only or threading.current_thread() is threading.main_thread():
-            with lock:
-                calls[0] += 1
-                n = calls[0]
-            if n == after + 1:
-                raise exc()
-        return original(*args, **kwargs)
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        result = original(*args, **kwargs)
+        if n == after + 1:
+            raise exc()
+        return result
 
-    monkeypatch.setattr(module, name, wrapper)
+    monkeypatch.setattr(owner, name, wrapper)
 
 
 @pytest.mark.parametrize("after", [0, 3, 20])
 def test_keyboard_interrupt_during_save_copies(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
                                                after: int) -> None:
-    """Ctrl-C while the caller's thread enqueues a chunk's device copies (32 chunks in all)."""
+    """Ctrl-C (a KeyboardInterrupt) where an I/O thread has just enqueued a chunk's device
+    copies (32 chunks in all): it reaches the caller, as it is."""
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
-    raise_after(monkeypatch, _pipeline, "_copy_pieces", after, KeyboardInterrupt)
+    raise_after(monkeypatch, WriteEngine, "_move", after, KeyboardInterrupt)
     with reaches_caller(KeyboardInterrupt):
         ckptstream.save(state, path, **SMALL)
     assert_released()
@@ -198,7 +209,7 @@ def test_keyboard_interrupt_during_load_copies(monkeypatch: pytest.MonkeyPatch, 
     ckptstream.save(state, path)
     ckptstream.load_into(state, path)
     fds = fd_count()
-    raise_after(monkeypatch, _pipeline, "copy_in", after, KeyboardInterrupt, caller_only=False)
+    raise_after(monkeypatch, read_engine, "copy_in", after, KeyboardInterrupt)
     with reaches_caller(KeyboardInterrupt):
         ckptstream.load_into(state, path, **SMALL)
     assert_released()
@@ -226,7 +237,7 @@ def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.Monke
     assert fd_count() == fds
     other = path.parent / "other.safetensors"
     ckptstream.save(state, other)
-    with fail_in_io_thread(monkeypatch, "pread_into", after, deliver), reaches_caller(KeyboardInterrupt):
+    with fail_in_io_thread(monkeypatch, READ_CALLS, after, deliver), reaches_caller(KeyboardInterrupt):
         ckptstream.load(other, **SMALL)
     other.unlink()
     assert_released()
@@ -234,14 +245,15 @@ def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.Monke
 
 
 @contextlib.contextmanager
-def interrupted_thread_start(kind: str) -> Iterator[None]:
-    """A KeyboardInterrupt right after the executor started its second ``kind`` worker (so before
-    it recorded it): the moment a Ctrl-C makes ThreadPoolExecutor lose track of a worker."""
+def interrupted_thread_start(engine_type: type[Engine]) -> Iterator[None]:
+    """A KeyboardInterrupt right after the second I/O thread of an ``engine_type`` started: the
+    engine is interrupted while it starts its threads, one of them already at work."""
     original = threading.Thread.start
 
     def start(self: threading.Thread) -> None:
         original(self)
-        if self.name.startswith(f"ckptstream-{kind}") and self.name.endswith("_1"):
+        target = getattr(self, "_target", None)
+        if isinstance(getattr(target, "__self__", None), engine_type) and self.name.endswith("-1"):
             raise KeyboardInterrupt
 
     threading.Thread.start = start  # type: ignore[method-assign]
@@ -252,32 +264,35 @@ def interrupted_thread_start(kind: str) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("op", ["save", "load"])
-def test_interrupt_while_starting_a_worker(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
-                                           op: str) -> None:
-    """The worker the executor lost track of must not outlive the call: it would otherwise go on
+def test_interrupt_while_starting_the_io_threads(monkeypatch: pytest.MonkeyPatch,
+                                                 old_checkpoint: tuple[Path, bytes], op: str) -> None:
+    """The threads already started must not outlive the call: they would otherwise go on
     filling a staging buffer already back in the pool, or write to a closed descriptor."""
     path, _ = old_checkpoint
     state = big_state()
     other = path.parent / "other.safetensors"
     ckptstream.save(state, other)
-    kind, name = ("write", "pwrite_all") if op == "save" else ("read", "pread_into")
-    original = getattr(_fileio, name)
+    engine_type, names = (WriteEngine, ("pwrite_all",)) if op == "save" else (ReadEngine, READ_CALLS)
+    calls = [0]
 
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        me = threading.current_thread().name
-        if me.endswith("_0"):
-            time.sleep(0.05)  # the first worker is busy: the executor starts a second one
-        elif me.endswith("_1"):
-            time.sleep(0.3)  # the second one is still at work when the caller gets the interrupt
-        return original(*args, **kwargs)
+    def slow(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.05)  # the threads are at work when the caller gets the interrupt
+            calls[0] += 1
+            return original(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(_fileio, name, slow)
-    with interrupted_thread_start(kind), reaches_caller(KeyboardInterrupt):
+    for name in names:
+        monkeypatch.setattr(_fileio, name, slow(getattr(_fileio, name)))
+    with interrupted_thread_start(engine_type), reaches_caller(KeyboardInterrupt):
         if op == "save":
             ckptstream.save(state, path, **SMALL)
         else:
             ckptstream.load(other, **SMALL)
     assert_released()
+    done = calls[0]
+    time.sleep(0.2)
+    assert calls[0] == done, "an I/O thread went on after the call returned"
     other.unlink()
 
 
@@ -303,27 +318,27 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
     state = big_state(mib=4)
     other = path.parent / "other.safetensors"
     ckptstream.save(state, other)
-    settings = {"buffer_size": 256 * KiB, "num_buffers": 4}
+    settings: dict[str, Any] = {"buffer_size": 256 * KiB, "num_buffers": 4}
 
     def failing_transfer(i: int) -> None:
         kind = i % 5
         with monkeypatch.context() as m:
             if kind == 0:
-                with fail_in_io_thread(m, "pwrite_all", i % 7, eio), pytest.raises(OSError):
+                with fail_in_io_thread(m, "pwrite_all", i % 7, eio), pytest.raises(OSError, match="injected I/O"):
                     ckptstream.save(state, path, **settings)
             elif kind == 1:
-                with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError):
+                with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError, match="no space"):
                     ckptstream.save(state, path, **settings)
             elif kind == 2:
-                raise_after(m, _pipeline, "_copy_pieces", i % 9, KeyboardInterrupt)
+                raise_after(m, WriteEngine, "_move", i % 9, KeyboardInterrupt)
                 with pytest.raises(KeyboardInterrupt):
                     ckptstream.save(state, path, **settings)
             elif kind == 3:
-                raise_after(m, _pipeline, "_copy_pieces", i % 4, lambda: RuntimeError("injected copy failure"))
-                with pytest.raises(RuntimeError):
+                raise_after(m, WriteEngine, "_move", i % 4, lambda: RuntimeError("injected copy failure"))
+                with pytest.raises(RuntimeError, match="injected copy failure"):
                     ckptstream.save(state, path, **settings)
             else:
-                with fail_in_io_thread(m, "pread_into", i % 6, eio), pytest.raises(OSError):
+                with fail_in_io_thread(m, READ_CALLS, i % 6, eio), pytest.raises(OSError, match="injected I/O"):
                     ckptstream.load(other, **settings)
 
     for i in range(20):  # warm up: the pool's buffers, allocator arenas, lazily opened files
@@ -343,11 +358,7 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
 
 # --- on the GPU ---------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("after", [0, 5])
 @pytest.mark.parametrize("direction", ["save", "load"])
 def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
@@ -358,8 +369,9 @@ def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpo
     ckptstream.save(state, source)
     ckptstream.load(source, device="cuda")  # warm up: CUDA context, pinned buffers
     fds = fd_count()
-    raise_after(monkeypatch, _pipeline, "_copy_pieces", after, lambda: RuntimeError("injected device copy failure"),
-                caller_only=False)  # a load enqueues its copies from its I/O threads
+    fail = lambda: RuntimeError("injected device copy failure")  # noqa: E731
+    raise_after(monkeypatch, WriteEngine if direction == "save" else ReadEngine,
+                "_move" if direction == "save" else "_copy_parts", after, fail)
     with reaches_caller(RuntimeError):
         if direction == "save":
             ckptstream.save(state, path, **SMALL)
@@ -374,7 +386,6 @@ def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpo
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("after", [0, 5])
 def test_io_error_with_gpu_tensors(monkeypatch: pytest.MonkeyPatch, old_checkpoint: tuple[Path, bytes],
                                    after: int) -> None:
@@ -385,7 +396,7 @@ def test_io_error_with_gpu_tensors(monkeypatch: pytest.MonkeyPatch, old_checkpoi
     fds = fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
         ckptstream.save(state, path, **SMALL)
-    with fail_in_io_thread(monkeypatch, "pread_into", after, eio), reaches_caller(OSError):
+    with fail_in_io_thread(monkeypatch, READ_CALLS, after, eio), reaches_caller(OSError):
         ckptstream.load(path.parent / "warm.safetensors", device="cuda", **SMALL)
     torch.cuda.synchronize()
     assert_released()

@@ -1,0 +1,98 @@
+"""O_DIRECT: which transfers use it under each ``direct_io`` mode, its alignment rule, the
+access mode of its descriptor, and one open file serving engines with different settings."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+import ckptstream
+from ckptstream import DirectIO, Settings, _fileio
+from ckptstream._engine import Piece, ReadEngine, WriteEngine
+from helpers import assert_bytes_equal, direct_io_supported, poisoned_like, random_bytes
+
+
+def test_direct_io_setting_decides_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not direct_io_supported(tmp_path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    opened: list[bool] = []
+    real = _fileio.open_direct
+
+    def spy(fd: int, path: str, force: bool) -> int | None:
+        direct_fd = real(fd, path, force)
+        assert direct_fd is not None
+        opened.append(bool(fcntl.fcntl(direct_fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return direct_fd
+
+    monkeypatch.setattr(_fileio, "open_direct", spy)
+    src = random_bytes(20000)
+    path = tmp_path / "t.bin"
+
+    def round_trip(buffer_size: int) -> list[bool]:
+        opened.clear()
+        ckptstream.device_to_file(src, path, buffer_size=buffer_size)
+        dst = poisoned_like(src)
+        ckptstream.file_to_device(path, dst, buffer_size=buffer_size)
+        assert_bytes_equal(dst, src)
+        return list(opened)
+
+    with ckptstream.settings(direct_io="off"):
+        assert round_trip(8192) == []
+    with ckptstream.settings(direct_io="on"):
+        assert round_trip(8192) == [True, True]
+    with ckptstream.settings(direct_io="auto"):
+        assert round_trip(8192) == [True]  # writes only: reads keep the page cache
+        assert round_trip(10000) == []  # unaligned buffers cannot go direct
+
+
+def test_direct_io_needs_aligned_buffers(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"keep me")
+    src = random_bytes(100)
+    with ckptstream.settings(direct_io="on"):
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            ckptstream.device_to_file(src, path, buffer_size=10000)
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            ckptstream.file_to_device(path, src, buffer_size=4097)
+    with pytest.raises(ValueError, match="multiple of 4096"), ckptstream.settings(direct_io="on", buffer_size=5000):
+        pass
+    assert path.read_bytes() == b"keep me"  # rejected before the file was opened (and truncated)
+
+
+def test_direct_io_keeps_a_read_only_descriptor_read_only(tmp_path: Path) -> None:
+    if not direct_io_supported(tmp_path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ckptstream.settings(direct_io="on"), pytest.raises(OSError, match="Bad file descriptor") as info:
+            ckptstream.device_to_file(random_bytes(4096), fd, offset=0, buffer_size=4096)  # one aligned block
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(8192)
+
+
+def test_one_open_file_serves_several_engines(tmp_path: Path) -> None:
+    """A file kept open across transfers with different settings: each engine decides O_DIRECT
+    for itself (an O_DIRECT twin left by an earlier engine must not be used with unaligned
+    buffers)."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    src = random_bytes(20000)
+    fd = os.open(tmp_path / "t.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with _fileio.opened(fd, 0, writing=True) as (file, start):
+            WriteEngine(file, [Piece.of(src, start)], Settings(buffer_size=8192, direct_io=DirectIO.ON)).run()
+            for cfg in (Settings(buffer_size=1000, direct_io=DirectIO.AUTO),
+                        Settings(buffer_size=8192, direct_io=DirectIO.ON)):
+                dst = poisoned_like(src.view(100, 200)).t()  # through the staging buffers
+                ReadEngine(file, [Piece.of(dst, start)], cfg).run()
+                assert_bytes_equal(dst, src.view(200, 100))
+    finally:
+        os.close(fd)
