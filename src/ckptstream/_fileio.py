@@ -118,16 +118,15 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat
           stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
 
-def check_file_type(st: os.stat_result, path: str, devices: bool = False) -> None:
+def check_file_type(st: os.stat_result, path: str, hint: str, devices: bool = False) -> None:
     """Refuse what is not a regular file (nor, with ``devices``, a block device): the transfers
     read and write at offsets, and opening a FIFO blocks until its other end is opened."""
     if stat.S_ISREG(st.st_mode) or (devices and stat.S_ISBLK(st.st_mode)):
         return
-    kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file", path)
-    raise OSError(errno.EINVAL, f"is {kind}, not a regular file; ckptstream reads and writes files at offsets, "
-                  "so copy the data to a regular file first", path)
+    kind = _KINDS.get(stat.S_IFMT(st.st_mode), "something else")
+    raise OSError(errno.EINVAL, f"is {kind}, not a regular file; {hint}", path)
 
 
 def open_path(path: str, flags: int, what: str, devices: bool = False) -> int:
@@ -135,18 +134,20 @@ def open_path(path: str, flags: int, what: str, devices: bool = False) -> int:
     but a regular file (or, with ``devices``, a block device) without blocking: the type is
     checked before the open, and again on the descriptor, which is opened non-blocking in case
     the path changed in between."""
+    hint = ("ckptstream writes files at offsets: give a regular file" if flags & os.O_ACCMODE else
+            "ckptstream reads files at offsets: copy the data to a regular file first")
     try:
         st: os.stat_result | None = os.stat(path)
     except OSError:
         st = None  # missing (created below) or unreachable (the open below says why)
     if st is not None:
-        check_file_type(st, path, devices)
+        check_file_type(st, path, hint, devices)
     try:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as e:
         raise os_error(e, what, path) from e
     try:
-        check_file_type(os.fstat(fd), path, devices)
+        check_file_type(os.fstat(fd), path, hint, devices)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -194,7 +195,8 @@ def opened(file: FileLike, offset: int | None, writing: bool) -> Iterator[tuple[
         handle = OpenFile(fd, name if isinstance(name, str) else fd_path(fd))
         start = offset if offset is not None else file.tell()
     else:
-        raise TypeError(f"file must be a path, an int file descriptor or a binary file object, got {type(file).__name__}")
+        raise TypeError("file must be a path, an int file descriptor or a binary file object, "
+                        f"got {type(file).__name__}")
     twin = None
     try:
         flags = fcntl.fcntl(handle.fd, fcntl.F_GETFL)

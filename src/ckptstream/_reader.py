@@ -81,10 +81,7 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike[str], cfg: Settings) -> None:
         self.path, self._cfg = os.fsdecode(path), cfg
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise _fileio.os_error(e, "opening the checkpoint", self.path) from e
+        fd = _fileio.open_path(self.path, os.O_RDONLY, "opening the checkpoint")  # a FIFO is refused, not waited on
         self._file = _fileio.OpenFile(fd, self.path, owned=True)
         try:
             with _gc.paused():

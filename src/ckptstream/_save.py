@@ -61,6 +61,7 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
     the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine)."""
     with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
         _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
+        raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
         start = len(plan.header)
         with _gc.paused():
             pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
