@@ -219,14 +219,19 @@ class CheckpointReader:
         ``lengths`` (default: to the end), read into ``into`` (of the box's shape and the
         tensor's dtype, contiguous or not) or a new tensor on ``device``. Only the bytes of the
         box are read (a box of rows is one run of the file, of columns one run per row), so
-        checksums, which cover whole tensors, are not verified."""
+        checksums, which cover whole tensors, are verified only for a box that is the whole
+        tensor."""
         return self.read_slices([(key, offsets, lengths, into if into is not None else device)])[0]
 
     def read_slices(self, requests: Sequence[tuple[Key, Sequence[int], Sequence[int] | None,
-                                                   torch.Tensor | Device]]) -> list[torch.Tensor]:
+                                                   torch.Tensor | Device]], *,
+                    checksum: bool = True) -> list[torch.Tensor]:
         """Several ``read_slice`` requests ``(key, offsets, lengths, into or device)`` in one
-        pass over the file; returns the destinations."""
-        outs, pieces = [], []
+        pass over the file; returns the destinations. With ``checksum``, a request for a whole
+        stored tensor is compared with its CRC-32C."""
+        outs: list[torch.Tensor] = []
+        pieces: list[Piece] = []
+        whole: list[tuple[int, TensorEntry]] = []  # (its piece, entry) per request to verify
         for key, offsets, lengths, into in requests:
             e = self.entry(key)
             offsets, lengths = normalize_box(e.shape, offsets, lengths, e.key)
@@ -236,13 +241,21 @@ class CheckpointReader:
             else:
                 dst = empty_tensor(tuple(lengths), e.dtype, target_device(into))
             if e.view is None:
-                pieces += slice_pieces(dst, e.shape, offsets, e.offset)
+                runs = slice_pieces(dst, e.shape, offsets, e.offset)
+                if checksum and e.checksum is not None and len(runs) == 1 and runs[0].nbytes == e.end - e.offset:
+                    whole.append((len(pieces), e))  # the whole tensor: one piece
+                pieces += runs
             else:  # a view's elements are not row-major in the file: through the whole view
                 box = self.read(key, device=dst.device, checksum=False)
                 with torch.no_grad():
                     dst.copy_(box[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
             outs.append(dst)
-        ReadEngine(self._file, pieces, self._cfg).run()
+        crcs = ReadEngine(self._file, pieces, self._cfg, checksum=bool(whole)).run()
+        for i, e in whole:
+            if crcs[i] != e.checksum:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {self._describe(e.stored_as)} fails its CRC-32C check (stored {e.checksum:08x}, "
+                    f"computed {crcs[i]:08x}): its data is corrupt; restore it from another checkpoint or copy")
         return outs
 
     def get_slice(self, key: Key) -> TensorSlice:

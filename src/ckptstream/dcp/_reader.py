@@ -1,0 +1,161 @@
+"""``StreamReader``: a ``torch.distributed.checkpoint`` storage reader for checkpoints that
+``StreamWriter`` wrote.
+
+DCP's planner decides which box of which saved chunk lands in which box of which destination
+tensor (that is resharding: a chunk saved by one rank may feed several ranks, a destination may
+gather several chunks). ``read_data`` groups this rank's read items by file and reads each file
+in one pass (``CheckpointReader.read_slices``), sorted by offset: only the boxes' bytes are read,
+straight into the destinations on their own devices (narrowed, often non-contiguous views).
+A chunk read whole is compared with its CRC-32C; non-tensor values come back through
+``planner.load_bytes``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .._engine.layout import host_bytes
+from .._errors import CorruptCheckpointError
+from .._reader import CheckpointReader, TensorEntry
+from .._settings import INHERIT, resolve
+from . import _metadata
+from ._metadata import StoredChunk
+
+
+class StreamReader(StorageReader):
+    """Load a DCP checkpoint that ``StreamWriter`` saved in the directory ``path``, into any
+    sharding (DCP reshards: save on 8 ranks, load on 4 or on 1).
+
+    Args:
+        path: the checkpoint's directory; ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        checksum: compare every chunk read whole with its stored CRC-32C (a chunk read in part,
+            when resharding cuts it, cannot be checked).
+        trust_metadata: unpickle ``.metadata`` without the allow-list of DCP's classes (only for
+            checkpoints you trust whose planner stored objects of its own).
+        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
+            (those in force when the reader is made) for this reader's transfers.
+
+    Raises (from ``dcp.load``):
+        CorruptCheckpointError: a rank file fails its checksums or is not the file the
+            checkpoint's metadata describes, naming the file and the tensor.
+        FileNotFoundError: no ``.metadata`` (a save that did not finish), or a missing rank file.
+
+    Example:
+        >>> dcp.load(state_dict, storage_reader=ckptstream.dcp.StreamReader("ckpt/step-100"))
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, checksum: bool = True, trust_metadata: bool = False,
+                 buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
+                 direct_io: Any = INHERIT) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.checksum = checksum
+        self.trust_metadata = trust_metadata
+        self.cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+                           direct_io=direct_io)
+        self.storage_data: dict[Any, StoredChunk] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # torch 2.9+ asks again with rank= for a checkpoint saved without collectives
+        return _metadata.read_metadata(self.path, kwargs.get("rank"), trusted=self.trust_metadata)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        data = metadata.storage_data
+        if not isinstance(data, dict) or not all(isinstance(v, StoredChunk) for v in data.values()):
+            values = data.values() if isinstance(data, dict) else [data]
+            kinds = sorted({type(v).__name__ for v in values})
+            raise CorruptCheckpointError(
+                f"{self.path}: the checkpoint's chunks are stored as {kinds}, not by ckptstream.dcp.StreamWriter; "
+                "load it with the reader of the writer that saved it (torch's FileSystemReader for FileSystemWriter)")
+        self.storage_data = data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name in sorted(by_file):
+            self._read_file(name, by_file[name], planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Every box this rank needs from one rank file, in one pass in file order."""
+        path = os.path.join(self.path, name)
+        items = sorted(items, key=lambda it: (self.storage_data[it.storage_index].offset, tuple(it.storage_offsets)))
+        with CheckpointReader(path, self.cfg) as reader:
+            requests: list[tuple[Any, Sequence[int], Sequence[int] | None, torch.Tensor]] = []
+            landing: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []  # (item, read into, destination)
+            for item in items:
+                chunk = self.storage_data[item.storage_index]
+                entry = _entry(reader, chunk, path, item.storage_index.fqn)
+                if item.type == LoadItemType.BYTE_IO:
+                    dst = torch.empty(entry.shape, dtype=torch.uint8)
+                    requests.append(((chunk.key,), [0], None, dst))
+                    landing.append((item, dst, dst))
+                    continue
+                dst = planner.resolve_tensor(item).detach()
+                into = dst if dst.dtype == entry.dtype else torch.empty(tuple(item.lengths), dtype=entry.dtype,
+                                                                        device=dst.device)
+                requests.append(((chunk.key,), list(item.storage_offsets), list(item.lengths), into))
+                landing.append((item, into, dst))
+            reader.read_slices(requests, checksum=self.checksum)
+        for item, into, dst in landing:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(bytes(host_bytes(into)) if into.numel() else b""))
+                continue
+            if into is not dst:  # saved in another dtype: converted as DCP's own readers do
+                with torch.no_grad():
+                    dst.copy_(into)
+            planner.commit_tensor(item, dst)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in os.fspath(checkpoint_id)
+
+
+def _entry(reader: CheckpointReader, chunk: StoredChunk, path: str, fqn: str) -> TensorEntry:
+    """The file's entry of a chunk, checked against what the checkpoint's metadata recorded:
+    a file that does not match was written by another save."""
+    try:
+        entry = reader.entry((chunk.key,))
+    except KeyError:
+        entry = None
+    if (entry is not None and (entry.offset, entry.end - entry.offset) == (chunk.offset, chunk.length)
+            and chunk.crc in (None, entry.checksum)):
+        return entry
+    have = "no such tensor" if entry is None else f"bytes {entry.offset}..{entry.end}, CRC-32C {_hex(entry.checksum)}"
+    raise CorruptCheckpointError(
+        f"{path}: tensor {fqn!r} (stored as {chunk.key!r}) should be bytes {chunk.offset}.."
+        f"{chunk.offset + chunk.length}, CRC-32C {_hex(chunk.crc)}, as the checkpoint's .metadata records, but the "
+        f"file has {have}: it is not the file this checkpoint wrote (replaced by another save?); restore the "
+        "checkpoint's directory whole")
+
+
+def _hex(crc: int | None) -> str:
+    return "none" if crc is None else f"{crc:08x}"
+

@@ -1,0 +1,66 @@
+"""Small tools around DCP checkpoints: per-rank shards as DTensors, a checkpoint's files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _metadata
+
+
+def as_sharded(state: Any, mesh: Any = None) -> Any:
+    """``state`` (a nested dict / list of this rank's tensors) with every tensor of one or more
+    dimensions wrapped as a DTensor sharded on dimension 0 over the ranks, without a copy: the
+    global tensor is the ranks' tensors stacked in rank order, each rank holding its own. Every
+    rank must hold tensors of the same shapes and dtypes under the same keys. 0-d tensors and
+    other values stay as they are (DCP treats them as replicated: one rank's value is saved).
+
+    For states that each rank holds as its own shard (ZeRO-style), so that DCP saves them
+    and reshards them on load; loading into ``as_sharded(target)`` fills ``target`` in place.
+
+    Args:
+        mesh: a 1-D DeviceMesh over all ranks; default: one on the tensors' device type.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor, Shard  # type: ignore[attr-defined]
+
+    def wrap(node: Any) -> Any:
+        nonlocal mesh
+        if isinstance(node, torch.Tensor) and not isinstance(node, DTensor) and node.dim() > 0:
+            if mesh is None:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh(node.device.type, (dist.get_world_size(),))
+            shape = (node.shape[0] * mesh.size(), *node.shape[1:])
+            return DTensor.from_local(node, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                      stride=_contiguous_strides(shape))
+        if isinstance(node, dict):
+            return type(node)((k, wrap(v)) for k, v in node.items())
+        if isinstance(node, (list, tuple)):
+            return type(node)(wrap(v) for v in node)
+        return node
+
+    return wrap(state)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
+    """The files of the DCP checkpoint in directory ``path`` (written by ``StreamWriter`` or by
+    torch's ``FileSystemWriter``): its ``.metadata`` and every data file it records, sorted."""
+    directory = os.fspath(path)
+    metadata = _metadata.read_metadata(directory, None, trusted=False)
+    names = {getattr(chunk, "relative_path", None) for chunk in (metadata.storage_data or {}).values()}
+    paths = [os.path.join(directory, n) for n in names if isinstance(n, str)]
+    return sorted([os.path.join(directory, _metadata.METADATA_NAME), *paths])

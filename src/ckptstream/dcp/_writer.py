@@ -1,0 +1,211 @@
+"""``StreamWriter``: a ``torch.distributed.checkpoint`` storage writer that streams each rank's
+chunks straight from device memory into one safetensors file per rank.
+
+DCP calls, in order: ``reset`` (with a checkpoint_id) -> ``set_up_storage_writer`` ->
+``prepare_local_plan`` -> the coordinator's ``prepare_global_plan`` -> ``write_data`` on every
+rank -> the coordinator's ``finish`` with every rank's results. Each rank's ``write_data``
+publishes its file (fsync, rename, directory fsync) before returning its results, so when
+``finish`` runs every rank file is durable; ``finish`` then writes ``.metadata`` atomically.
+The coordinator removes an old ``.metadata`` before any rank writes, so a save into a used
+directory that fails half-way leaves no checkpoint there rather than a mix of two.
+
+The writer is also the ``AsyncStager`` of ``dcp.async_save`` (an explicit subclass, which
+torch 2.9+ needs to recognise it; torch 2.4-2.8 ask the writer itself to stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._engine import Mark, mark
+from .._settings import INHERIT, resolve
+from . import _metadata, _rankfile, _staging
+from ._staging import Staging
+
+
+class StreamWriter(StorageWriter, AsyncStager):
+    """Save a DCP checkpoint into the directory ``path``: one safetensors file per rank
+    (``rank-00000.safetensors``, ...), streamed from the tensors' memory (GPU or CPU) through a
+    few pinned buffers, with a CRC-32C per chunk, and DCP's ``.metadata`` written last.
+
+    Args:
+        path: the checkpoint's directory (created if missing); ``dcp.save(...,
+            checkpoint_id=...)`` replaces it.
+        staging: how ``dcp.async_save`` stages the state: "device" (default: a snapshot on the
+            tensors' own devices), "lazy" (no copy; call ``wait_staged()`` before changing the
+            state) or "host" (a full host copy, as DCP's own stager). Unused by ``dcp.save``.
+        checksum: store a CRC-32C of every chunk (``StreamReader`` verifies chunks read whole).
+        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
+            (those in force when the writer is made) for this writer's transfers.
+
+    Example:
+        >>> dcp.save(state_dict, storage_writer=ckptstream.dcp.StreamWriter("ckpt/step-100"))
+    """
+
+    _synchronize_after_execute = False  # DCP need not wait: see wait_staged()
+
+    def __init__(self, path: str | os.PathLike[str], *, staging: str = "device", checksum: bool = True,
+                 buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
+                 direct_io: Any = INHERIT) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.staging = Staging.parse(staging)
+        self.checksum = checksum
+        self.cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+                           direct_io=direct_io)
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.save_id = str(uuid.uuid4())
+        self._staged = threading.Event()
+        self._staged.set()
+        self._mark: tuple[int, Mark] | None = None  # (staging thread, ordering point) of the last stage()
+
+    # --- planning ------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # torch 2.9+ passes rank= and use_collectives= (to signatures with **kwargs); before, the
+        # plan index, which equals the rank there, names the file
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _rankfile.check_items(plan.items)
+        os.makedirs(self.path, exist_ok=True)
+        if self.rank is None:
+            return plan
+        if not self.use_collectives:  # this rank's own metadata, written last again
+            _remove(os.path.join(self.path, _metadata.metadata_name(self.rank)))
+        return dataclasses.replace(plan, storage_data=_rankfile.rank_file_name(self.rank))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = [p if isinstance(p.storage_data, str) else
+                 dataclasses.replace(p, storage_data=_rankfile.rank_file_name(i)) for i, p in enumerate(plans)]
+        if self.use_collectives:  # the coordinator's view of the whole save (without: each rank's own)
+            # no rank writes before this returns: an old checkpoint here stops being one first
+            _remove(os.path.join(self.path, _metadata.METADATA_NAME))
+            _rankfile.remove_leftovers(self.path, keep={p.storage_data for p in plans})
+        return plans
+
+    # --- writing -------------------------------------------------------------------------
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = self._write(plan, planner)
+        finally:
+            self._staged.set()  # also when it failed: nobody waits for ever
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        name = plan.storage_data
+        if not isinstance(name, str):
+            raise RuntimeError("StreamWriter.write_data: the plan has no file name; DCP calls prepare_local_plan / "
+                               "prepare_global_plan first (pass the writer to dcp.save or dcp.async_save)")
+        items = plan.items
+        # non-tensor values first: their sizes are in the header
+        blobs = {i: _rankfile.blob_tensor(planner.resolve_data(item), item.index.fqn)
+                 for i, item in enumerate(items) if item.type == WriteItemType.BYTE_IO}
+        rank_file = _rankfile.RankFile.plan(name, items, {i: b.numel() for i, b in blobs.items()}, self.checksum)
+        tensors = [blobs[i] if i in blobs else _rankfile.chunk_tensor(planner.resolve_data(items[i]), items[i])
+                   for i in rank_file.item_of]
+        chunks = rank_file.write(self.path, tensors, self.cfg, after=self._ordering(tensors),
+                                 copied=self._staged.set)
+        return [WriteResult(index=items[i].index, size_in_bytes=chunk.length, storage_data=chunk)
+                for i, chunk in zip(rank_file.item_of, chunks, strict=True)]
+
+    def _ordering(self, tensors: list[torch.Tensor]) -> Mark | None:
+        """The point of the CUDA streams that the copies follow: in an async save, the one
+        taken when the state was staged, in the caller's thread (this one runs in DCP's);
+        otherwise None: the engine takes this thread's current streams."""
+        staged, self._mark = self._mark, None
+        if staged is None or staged[0] == threading.get_ident():
+            return None
+        after = mark(tensors)  # devices the snapshot did not hold (a planner's own tensors)
+        after.update(staged[1])
+        return after
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        fields = {f.name for f in dataclasses.fields(metadata)}
+        if "version" in fields:  # torch 2.5+
+            metadata.version = _metadata.FORMAT_VERSION
+        if "storage_meta" in fields:
+            metadata.storage_meta = self.storage_meta()
+        _metadata.write_metadata(self.path, metadata, None if self.use_collectives else self.rank)
+
+    def storage_meta(self) -> Any:
+        try:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+        except ImportError:  # torch without it: DCP passes None
+            return None
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in os.fspath(checkpoint_id)
+
+    # --- async staging -------------------------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state dict that ``dcp.async_save`` saves in the background (see ``staging``)."""
+        if self.staging is Staging.LAZY:
+            self._staged.clear()
+        staged = _staging.stage(state_dict, self.staging)
+        # host copies are complete already; device ones are queued on the caller's streams
+        tensors = [] if self.staging is Staging.HOST else _staging.tensors_of(staged)
+        self._mark = threading.get_ident(), mark(tensors)
+        return staged
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the state given to ``dcp.async_save`` may change: at once with "device"
+        and "host" staging; with "lazy", once this rank's write has copied every tensor's bytes
+        out (or failed). Returns False if ``timeout`` seconds passed first. A save that fails
+        before it writes (in DCP's planning) does not get here: its future holds the error."""
+        return self._staged.wait(timeout)
+
+    def synchronize_staging(self) -> None:
+        self.wait_staged()
+
+    def close(self) -> None:
+        """Nothing to release (torch 2.9+ calls it on stagers it made)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """DCP's process executor pickles the writer: without its event and CUDA ordering point,
+        which belong to this process."""
+        state = dict(self.__dict__)
+        state["_staged"], state["_mark"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._staged = threading.Event()
+        self._staged.set()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
