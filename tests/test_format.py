@@ -193,8 +193,8 @@ CRAFTED: list[tuple[str, Any, int, int | None, str]] = [
     ("nan_constant", b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', 4, None, "NaN"),
     ("infinity_constant", b'{"__metadata__": {}, "x": Infinity}', 0, None, "Infinity"),
     ("duplicate_tensor", b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
-                         b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None, "duplicate key 'a'"),
-    ("duplicate_metadata_key", b'{"__metadata__": {"k": "1", "k": "2"}}', 0, None, "duplicate key 'k'"),
+                         b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None, "key 'a'"),
+    ("duplicate_metadata_key", b'{"__metadata__": {"k": "1", "k": "2"}}', 0, None, "key 'k'"),
     ("not_an_object", [A], 4, None, "must be a JSON object"),
     ("metadata_not_strings", {"__metadata__": {"k": 1}, "a": A}, 4, None, "must map strings to strings"),
     ("entry_not_object", {"a": 4}, 4, None, "expected an object"),

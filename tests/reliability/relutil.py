@@ -121,8 +121,10 @@ def tensors_of(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def temp_name_pattern(name: str) -> re.Pattern[str]:
-    """``.NAME.ckptstream-tmp-HOST-PID-RAND``: the temp files a save of ``name`` creates."""
-    return re.compile(rf"\.{re.escape(name)}\.ckptstream-tmp-{re.escape(socket.gethostname())}-(\d+)-([0-9a-f]{{12}})")
+    """``.NAME.ckptstream-tmp-HOST-[PIDNS-]PID-RAND``: the temp files a save of ``name`` creates
+    on this host (group 1: the writer's pid)."""
+    host = re.escape(socket.gethostname())
+    return re.compile(rf"\.{re.escape(name)}\.ckptstream-tmp-{host}-(?:\d+-)?(\d+)-([0-9a-f]{{12}})")
 
 
 def temp_files(directory: Path | str, name: str) -> list[str]:
