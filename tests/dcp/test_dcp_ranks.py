@@ -164,3 +164,10 @@ def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
     save_1({"big": big}, bad)
     assert sorted(p.name for p in bad.iterdir()) == [".metadata", "rank-00000.safetensors"]
     assert same_bits(load_1({"big": poisoned_like(big)}, bad)["big"], big)
+
+
+@pytest.mark.slow
+def test_host_memory_stays_bounded_cpu(tmp_path: Path) -> None:
+    """dcp_worker.scenario_memory with CPU tensors: ~320 MiB per rank saved and loaded; each
+    rank's RSS grows by at most the staging buffers + 64 MiB (test_dcp_gpu runs it on GPUs)."""
+    run_ranks("memory", tmp_path, timeout=300)
