@@ -163,11 +163,17 @@ def test_leaving_the_with_block_by_an_exception_joins_the_threads(tmp_path: Path
     src = random_bytes(100 * 4096)
     path = tmp_path / "t.bin"
     path.write_bytes(as_bytes(src) if engine_type == "read" else b"")
+    moved = [0]
+
+    def progress(n: int) -> None:
+        moved[0] += n
+
     with open_file(path, writing=engine_type == "write") as file:
         if engine_type == "write":
-            engine: WriteEngine | ReadEngine = WriteEngine(file, [Piece.of(src, 0)], SMALL)
+            engine: WriteEngine | ReadEngine = WriteEngine(file, [Piece.of(src, 0)], SMALL, progress=progress)
         else:
-            engine = ReadEngine(file, [Piece.of(poisoned_like(src).view(400, 1024).t(), 0)], SMALL)
+            dst = poisoned_like(src).view(400, 1024).t()
+            engine = ReadEngine(file, [Piece.of(dst, 0)], SMALL, progress=progress)
 
         def started_then_failing() -> None:
             with engine:
@@ -179,7 +185,10 @@ def test_leaving_the_with_block_by_an_exception_joins_the_threads(tmp_path: Path
             started_then_failing()
         assert engine.done()
         assert_idle()
-        assert os.path.getsize(path) < src.numel() or engine_type == "read"  # stopped before the end
+        stopped_at = moved[0]
+        time.sleep(0.05)
+        assert moved[0] == stopped_at  # nothing moves any more
+        assert stopped_at < src.numel()  # stopped before the end
 
 
 # --- pieces -------------------------------------------------------------------------------------
