@@ -13,8 +13,7 @@ import torch
 
 import ckptstream
 from ckptstream import Settings, _checksum, _fileio
-from ckptstream._engine import Piece, ReadEngine, WriteEngine
-from ckptstream._engine import gpucrc as _gpucrc
+from ckptstream._engine import Piece, ReadEngine, WriteEngine, gpucrc
 from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, packed_pieces, poisoned_like
 
 
@@ -32,14 +31,14 @@ def test_finish_turns_a_register_into_the_crc() -> None:
             register ^= byte
             for _ in range(8):
                 register = (register >> 1) ^ _checksum._POLY if register & 1 else register >> 1
-        assert _gpucrc.finish(register, n) == crc(data)
+        assert gpucrc.finish(register, n) == crc(data)
 
 
 def test_tables_multiply_the_register_by_a_constant() -> None:
-    assert _gpucrc._times(_checksum.shift(1))[1] == 0xF26B8303  # the published CRC-32C byte table
+    assert gpucrc._times(_checksum.shift(1))[1] == 0xF26B8303  # the published CRC-32C byte table
     rng = random.Random(6)
-    for constant in (_checksum.shift(4 * _gpucrc.LANES), rng.getrandbits(32)):
-        tables = _gpucrc._times(constant)
+    for constant in (_checksum.shift(4 * gpucrc.LANES), rng.getrandbits(32)):
+        tables = gpucrc._times(constant)
         for r in (1, 0xFFFFFFFF, *(rng.getrandbits(32) for _ in range(50))):
             looked_up = 0
             for k in range(4):
@@ -48,7 +47,7 @@ def test_tables_multiply_the_register_by_a_constant() -> None:
 
 
 def test_host_only_without_cuda() -> None:
-    assert not _gpucrc.usable(torch.device("cpu"))
+    assert not gpucrc.usable(torch.device("cpu"))
 
 
 def test_host_without_torchs_kernel_loader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +55,7 @@ def test_host_without_torchs_kernel_loader(monkeypatch: pytest.MonkeyPatch) -> N
     from torch.cuda import _utils
 
     monkeypatch.delattr(_utils, "_cuda_load_module", raising=False)
-    assert _gpucrc._built(torch.device("cuda", 0)) is None
+    assert gpucrc._built(torch.device("cuda", 0)) is None
 
 
 @pytest.mark.gpu
@@ -65,17 +64,17 @@ def test_kernel_equals_crc32c(seed: int) -> None:
     """Lengths around the lane and block sizes and random ones, 4-byte aligned starts (what
     ``eligible`` admits), many tensors per launch."""
     device = torch.device("cuda")
-    assert _gpucrc.usable(device)
+    assert gpucrc.usable(device)
     rng = random.Random(seed)
-    data = torch.randint(0, 256, (5 * _gpucrc.BLOCK + 4096,), dtype=torch.uint8,
+    data = torch.randint(0, 256, (5 * gpucrc.BLOCK + 4096,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(seed))
     on_gpu = data.to(device)
-    lengths = [4, 8, 252, 256, 260, _gpucrc.BLOCK - 4, _gpucrc.BLOCK, _gpucrc.BLOCK + 4,
-               *(4 * rng.randrange(1, 5 * _gpucrc.BLOCK // 4) for _ in range(20))]
+    lengths = [4, 8, 252, 256, 260, gpucrc.BLOCK - 4, gpucrc.BLOCK, gpucrc.BLOCK + 4,
+               *(4 * rng.randrange(1, 5 * gpucrc.BLOCK // 4) for _ in range(20))]
     starts = [4 * rng.randrange(0, 1000) for _ in lengths]
-    got = _gpucrc.crcs([on_gpu[a : a + n] for a, n in zip(starts, lengths, strict=True)])
+    got = gpucrc.crcs([on_gpu[a : a + n] for a, n in zip(starts, lengths, strict=True)])
     assert got == [crc(data[a : a + n].numpy().tobytes()) for a, n in zip(starts, lengths, strict=True)]
-    assert _gpucrc.crcs([on_gpu[:-4]]) == [crc(data[:-4].numpy().tobytes())]
+    assert gpucrc.crcs([on_gpu[:-4]]) == [crc(data[:-4].numpy().tobytes())]
 
 
 def kernel_in_python(words: list[int], consts: list[int], lanes: int, per_lane: int, shifts: int) -> int:
@@ -104,22 +103,22 @@ def kernel_in_python(words: list[int], consts: list[int], lanes: int, per_lane: 
 def test_kernel_arithmetic_gives_the_crc(monkeypatch: pytest.MonkeyPatch, nwords: int) -> None:
     """The kernel's steps with the module's constants, on a small block shape (8 lanes x 8 words,
     shifts in two steps of 4): lengths within a block and across up to 13, padding in front."""
-    monkeypatch.setattr(_gpucrc, "LANES", 8)
-    monkeypatch.setattr(_gpucrc, "BLOCK", 8 * 8 * 4)
-    monkeypatch.setattr(_gpucrc, "_SHIFTS", 4)
+    monkeypatch.setattr(gpucrc, "LANES", 8)
+    monkeypatch.setattr(gpucrc, "BLOCK", 8 * 8 * 4)
+    monkeypatch.setattr(gpucrc, "_SHIFTS", 4)
     data = random.Random(nwords).randbytes(4 * nwords)
     words = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
-    register = kernel_in_python(words, _gpucrc._constants(), 8, 8, 4)
-    assert _gpucrc.finish(register, len(data)) == crc(data)
+    register = kernel_in_python(words, gpucrc._constants(), 8, 8, 4)
+    assert gpucrc.finish(register, len(data)) == crc(data)
 
 
 def test_eligible_bytes() -> None:
     base = torch.empty(4 << 20, dtype=torch.uint8)
-    assert _gpucrc.eligible(base)
-    assert _gpucrc.eligible(base[4:])
-    assert not _gpucrc.eligible(base[2:-2])  # unaligned start
-    assert not _gpucrc.eligible(base[:-2])  # not whole words
-    assert not _gpucrc.eligible(base[: _gpucrc.GPU_FROM - 4])  # small: on the host
+    assert gpucrc.eligible(base)
+    assert gpucrc.eligible(base[4:])
+    assert not gpucrc.eligible(base[2:-2])  # unaligned start
+    assert not gpucrc.eligible(base[:-2])  # not whole words
+    assert not gpucrc.eligible(base[: gpucrc.GPU_FROM - 4])  # small: on the host
 
 
 def _large_sources(device: torch.device) -> list[torch.Tensor]:
@@ -137,11 +136,11 @@ def _large_sources(device: torch.device) -> list[torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpu_from", [1, _gpucrc.GPU_FROM])
+@pytest.mark.parametrize("gpu_from", [1, gpucrc.GPU_FROM])
 def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_from: int) -> None:
     """A read engine into CUDA tensors returns crc32c of each tensor's bytes, whether checksummed on
     the GPU (the contiguous ones from gpu_from bytes: with 1, the edge cases too) or the host."""
-    monkeypatch.setattr(_gpucrc, "GPU_FROM", gpu_from)
+    monkeypatch.setattr(gpucrc, "GPU_FROM", gpu_from)
     device = torch.device("cuda")
     sources = _large_sources(device) + [case.source(device) for case in EDGE_CASES]
     pieces = packed_pieces(sources, 5)
@@ -155,13 +154,13 @@ def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Monk
     targets[5] = poisoned_like(sources[5]._base)[1:]  # 4 bytes in: on the device
     into = [Piece.of(t, p.offset) for t, p in zip(targets, pieces, strict=True)]
     taken: list[int] = []
-    real_crcs = _gpucrc.crcs
+    real_crcs = gpucrc.crcs
 
     def crcs(tensors: list[torch.Tensor]) -> list[int]:
         taken.extend(t.numel() for t in tensors)
         return real_crcs(tensors)
 
-    monkeypatch.setattr(_gpucrc, "crcs", crcs)
+    monkeypatch.setattr(gpucrc, "crcs", crcs)
     cfg = Settings(buffer_size=(2 << 20) + 7, num_buffers=4, io_threads=3)
     with _fileio.opened(path, 0, writing=False) as (file, _):
         assert ReadEngine(file, into, cfg, checksum=True).run() == expected
@@ -194,20 +193,20 @@ def test_failed_self_test_falls_back_to_the_host(tmp_path: Path, monkeypatch: py
     """A kernel that fails, or that computes wrong values, is found by the self-test: a warning,
     then loads checksum on the host."""
     device = torch.device("cuda")
-    monkeypatch.setattr(_gpucrc, "_kernels", {})
-    real_crcs = _gpucrc.crcs
+    monkeypatch.setattr(gpucrc, "_kernels", {})
+    real_crcs = gpucrc.crcs
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no kernel today")
 
-    monkeypatch.setattr(_gpucrc, "crcs", broken)
+    monkeypatch.setattr(gpucrc, "crcs", broken)
     with pytest.warns(RuntimeWarning, match="no kernel today"):
-        assert not _gpucrc.usable(device)
-    assert not _gpucrc.usable(device)  # tried once
-    monkeypatch.setattr(_gpucrc, "_kernels", {})
-    monkeypatch.setattr(_gpucrc, "crcs", lambda tensors: [c ^ 1 for c in real_crcs(tensors)])
+        assert not gpucrc.usable(device)
+    assert not gpucrc.usable(device)  # tried once
+    monkeypatch.setattr(gpucrc, "_kernels", {})
+    monkeypatch.setattr(gpucrc, "crcs", lambda tensors: [c ^ 1 for c in real_crcs(tensors)])
     with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not _gpucrc.usable(device)
+        assert not gpucrc.usable(device)
     state = {"big": torch.randn(2 << 20, device=device)}
     path = tmp_path / "h.safetensors"
     ckptstream.save(state, path)
