@@ -192,7 +192,9 @@ def decode(raw: bytes, file_size: int, path: str) -> Header:
         raise _corrupt(path, f"header is not valid JSON ({e})") from e
     if not isinstance(table, dict):
         raise _corrupt(path, f"header must be a JSON object, got {type(table).__name__}")
-    meta = table.pop("__metadata__", None) or {}  # safetensors writes and reads null
+    meta = table.pop("__metadata__", None)
+    if meta is None:  # absent, or null: safetensors writes and reads both (false, [] or "": neither)
+        meta = {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
     tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=_by_offsets)
@@ -251,8 +253,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(table) != len(pairs):  # linear: a hostile header may hold a million keys
         seen: set[str] = set()
         for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
+            if key in seen:  # JSON leaves open which entry counts (safetensors keeps the last)
+                raise ValueError(f"the key {key!r:.100} appears twice: a file that means two things is ambiguous")
             seen.add(key)
     return table
 

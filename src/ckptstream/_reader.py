@@ -61,9 +61,19 @@ class TensorEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def as_device(device: Device) -> torch.device:
+    """``device`` as a torch.device; ValueError for what names none ("bogus", "cuda:x")."""
+    try:
+        # an int is a CUDA index (torch.device(0) raises where no accelerator is present)
+        return torch.device("cuda", device) if type(device) is int else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device={device!r}: not a device torch knows ({e}); ckptstream loads into 'cpu' or "
+                         "'cuda' tensors") from e
+
+
 def target_device(device: Device) -> torch.device:
     """``device`` as a loads' destination; raises ValueError where tensors cannot land."""
-    dev = torch.device(device)
+    dev = as_device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r}: torch sees no CUDA device (a CPU-only build, or no visible "
@@ -266,7 +276,8 @@ class CheckpointReader:
     def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False) -> Any:
         """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
         with tensors of the right dtypes and shapes and nothing read."""
-        dev = torch.device(device) if torch.device(device).type == "meta" else target_device(device)
+        dev = as_device(device)
+        dev = dev if dev.type == "meta" else target_device(dev)
         with _gc.paused():
             tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
         if dev.type != "meta":

@@ -28,6 +28,7 @@ Key = str | int
 KeyPath = tuple[Key, ...]
 _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
 VIEW_RATIO, VIEW_FLOOR = 1024, 1 << 20  # see view_limit
+INT_BITS = 14_000  # at most 4215 digits: within Python's 4300-digit limit on reading ints from text
 SAME_HASH = 8  # more int keys of one dict with one hash value: a crafted file (see unflatten)
 
 
@@ -45,6 +46,8 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
                                            "only str and int keys can be stored")  # fmt: skip
             if type(key) is str:
                 _check_text(key, (*path, key))
+            elif key.bit_length() > INT_BITS:
+                _too_long(key, f"{key_str(path)}: a dict key")  # not printable: the limit applies to str() too
             yield from walk(value, (*path, key))
     elif kind:
         for i, value in enumerate(state):
@@ -52,6 +55,8 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     elif state is None or type(state) in (bool, int, float, str):
         if type(state) is str:
             _check_text(state, path)
+        elif type(state) is int and state.bit_length() > INT_BITS:
+            _too_long(state, key_str(path))
         yield path, state
     elif isinstance(state, torch.Tensor):
         _check_leaf_tensor(path, state)
@@ -64,6 +69,11 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
         )
 
 
+def _too_long(number: int, where: str) -> None:
+    raise UnsupportedTypeError(f"{where}: an int of {number.bit_length()} bits is too long for the JSON structure "
+                               "(Python reads back at most 4300 digits); store it as a str or a tensor")
+
+
 def _check_text(text: str, path: KeyPath) -> None:
     try:
         text.encode("utf-8")
@@ -74,6 +84,9 @@ def _check_text(text: str, path: KeyPath) -> None:
 
 def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
     where = key_str(path)
+    if t.is_nested:  # strided, or jagged (a subclass): either way, its components are what to store
+        raise UnsupportedTypeError(f"{where}: a nested tensor cannot be stored; store its components "
+                                   "(t.unbind()) or t.to_padded_tensor(0)")  # fmt: skip
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         if type(t).__name__ == "DTensor":
             raise UnsupportedTypeError(f"{where}: a DTensor (sharded or replicated over ranks) is saved through "
@@ -82,15 +95,12 @@ def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
         raise UnsupportedTypeError(f"{where}: tensor subclass {type(t).__name__} is not supported; store the plain "
                                    "tensor it holds (for a wrapper, its .to_local() or inner tensor; else "
                                    "torch.Tensor(t) or t.as_subclass(torch.Tensor))")  # fmt: skip
-    if t.is_nested:
-        raise UnsupportedTypeError(f"{where}: a nested tensor cannot be stored; store its components "
-                                   "(t.unbind()) or t.to_padded_tensor(0)")  # fmt: skip
     if t.is_quantized:
         raise UnsupportedTypeError(f"{where}: a quantized tensor cannot be stored; store t.int_repr() with its "
                                    "scale and zero point, or t.dequantize()")  # fmt: skip
     if not streamable(t):
-        raise UnsupportedTypeError(f"{where}: a {t.layout} tensor on {t.device} cannot be stored; "
-                                   "only dense (strided) CPU and CUDA tensors (for a sparse one: t.to_dense())")  # fmt: skip
+        raise UnsupportedTypeError(f"{where}: a {t.layout} tensor on {t.device} cannot be stored; only dense "
+                                   "(strided) CPU and CUDA tensors (for a sparse one: t.to_dense())")  # fmt: skip
     if t.dtype not in DTYPE_NAMES:
         raise UnsupportedTypeError(f"{where}: dtype {t.dtype} has no safetensors name; "
                                    f"supported: {sorted(str(d) for d in DTYPE_NAMES)}")  # fmt: skip
@@ -197,9 +207,13 @@ def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[.
     distinct: dict[tuple[Any, ...], list[tuple[KeyPath, torch.Tensor]]] = {}
     for path, t in component:
         distinct.setdefault(_signature(t), []).append((path, t))
-    span = max(_extent(t)[1] for _, t in component) - min(_extent(t)[0] for _, t in component)
-    viewed = [] if flat or len(distinct) == 1 else [
-        same for same in distinct.values() if same[0][1].numel() * same[0][1].element_size() <= view_limit(span)]
+    viewed = [] if flat or len(distinct) == 1 else list(distinct.values())
+    while len(viewed) > 1:  # the limit is the blob's, as a load checks it; a smaller blob may drop more
+        lo, hi = _blob_range([leaf for same in viewed for leaf in same])
+        within = [same for same in viewed if same[0][1].numel() * same[0][1].element_size() <= view_limit(hi - lo)]
+        if len(within) == len(viewed):
+            break
+        viewed = within
     if len(viewed) < 2:
         viewed = []
     for same in distinct.values():
@@ -211,14 +225,19 @@ def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[.
     if not viewed:
         return
     leaves = [leaf for same in viewed for leaf in same]
-    lo = min(_extent(t)[0] for _, t in leaves) // 16 * 16  # 16: any element size divides it
-    hi = max(_extent(t)[1] for _, t in leaves)
+    lo, hi = _blob_range(leaves)
     first_path, first = leaves[0]
     blob = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
     base = add_record(first_path, blob, suffix=".__storage__")
     base.paths = []  # raw storage bytes, not a leaf of its own
     for path, t in leaves:
         node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), _extent(t)[0] - lo]}
+
+
+def _blob_range(leaves: list[tuple[KeyPath, torch.Tensor]]) -> tuple[int, int]:
+    """The bytes of their storage that a blob of ``leaves`` holds."""
+    lo = min(_extent(t)[0] for _, t in leaves) // 16 * 16  # 16: any element size divides it
+    return lo, max(_extent(t)[1] for _, t in leaves)
 
 
 def _encode(value: Any, path: KeyPath, node_of: dict[KeyPath, Any]) -> Any:
@@ -323,7 +342,7 @@ def parse_structure(structure: str | None, table: dict[str, int], where: str) ->
     tensors, views, used = {}, {}, set()
     for leaf, node in nodes.items():
         if "view" in node:
-            views[leaf] = parse_view(node, table, where)
+            views[leaf] = parse_view(node, table, f"{where}: {key_str(leaf)!r}")
             used.add(views[leaf].base)
         elif isinstance(node["tensor"], str) and node["tensor"] in table:
             tensors[leaf] = node["tensor"]
@@ -354,7 +373,8 @@ def parse_view(node: dict[str, Any], base_nbytes: dict[str, int], where: str) ->
         base, dtype, shape, stride, offset = body
         ok = (isinstance(base, str) and base in base_nbytes and isinstance(dtype, str) and dtype in DTYPES
               and isinstance(shape, list) and isinstance(stride, list)
-              and len(shape) == len(stride) and all(type(v) is int and v >= 0 for v in [*shape, *stride, offset]))  # fmt: skip
+              and len(shape) == len(stride)
+              and all(type(v) is int and v >= 0 for v in [*shape, *stride, offset]))  # fmt: skip
     if ok:
         ok = max([*stride, offset]) < 2**63 and element_count(shape) is not None  # what torch can hold
     if not ok:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -17,7 +18,8 @@ from ._errors import CkptStreamError
 from ._header import DTYPE_NAMES
 from ._reader import CheckpointReader
 
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
+# C0, DEL and C1 (U+0080..U+009F: U+009B is a one-character CSI to some terminals)
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
 
 
 def printable(text: str) -> str:
@@ -130,10 +132,22 @@ def _run(args: argparse.Namespace) -> int:
         print(printable(f"ckptstream inspect: {e}"), file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, indent=2, ensure_ascii=True, default=repr))  # escapes control characters
+        # ensure_ascii escapes control characters and lone surrogates; NaN and Infinity are no JSON
+        print(json.dumps(_finite(report), indent=2, ensure_ascii=True, allow_nan=False, default=repr))
     else:
         _print_report(report)
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
