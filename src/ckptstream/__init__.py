@@ -1,5 +1,6 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
+from ._async import CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
 from ._engine import release_staging, staging_bytes
 from ._errors import (
     CkptStreamError,
@@ -11,6 +12,7 @@ from ._errors import (
 )
 from ._load import load, open, read_metadata, verify
 from ._load_into import load_into
+from ._manager import CheckpointManager, IncompleteCheckpointError
 from ._reader import CheckpointReader, TensorEntry, TensorSlice
 from ._save import save
 from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
@@ -20,11 +22,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "INHERIT",
+    "CheckpointManager",
+    "CheckpointNotSavedError",
     "CheckpointReader",
     "CkptStreamError",
     "CorruptCheckpointError",
     "DirectIO",
+    "IncompleteCheckpointError",
+    "SaveHandle",
     "Settings",
+    "SnapshotFallbackWarning",
     "StateMismatchError",
     "StateMismatchWarning",
     "TensorEntry",
@@ -40,6 +47,7 @@ __all__ = [
     "read_metadata",
     "release_staging",
     "save",
+    "save_async",
     "settings",
     "staging_bytes",
     "verify",

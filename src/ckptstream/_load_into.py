@@ -8,6 +8,7 @@ temporary of that storage's size on the target's device.
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from typing import Any
@@ -16,8 +17,9 @@ import torch
 
 from . import _gc
 from ._errors import StateMismatchError, StateMismatchWarning
+from ._header import empty_tensor
 from ._load import checksum_argument, open
-from ._reader import CheckpointReader, TensorEntry
+from ._reader import CheckpointReader, TensorEntry, target_device
 from ._settings import INHERIT
 from ._structure import KeyPath, key_str, make_view, walk
 
@@ -72,8 +74,54 @@ def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tenso
     return dests, copies
 
 
-def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, checksum: bool = True,
-              progress: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT,
+def _empty_containers(node: Any, path: KeyPath = (), found: set[KeyPath] | None = None) -> set[KeyPath]:
+    found = set() if found is None else found
+    if type(node) in (dict, collections.OrderedDict):
+        if not node:
+            found.add(path)
+        for k, v in node.items():
+            _empty_containers(v, (*path, k), found)
+    elif type(node) in (list, tuple):
+        if not node:
+            found.add(path)
+        for i, v in enumerate(node):
+            _empty_containers(v, (*path, i), found)
+    return found
+
+
+def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.Tensor], device: Any
+             ) -> dict[KeyPath, torch.Tensor]:
+    """New tensors for the file's tensors that ``state`` lacks below an empty container of it."""
+    empty = _empty_containers(state) if device is not None else set()
+    wanted = [e for e in reader.entries()
+              if empty and e.path not in targets and any(e.path[:i] in empty for i in range(len(e.path)))]
+    if not wanted:
+        return {}
+    if device == "auto":
+        gpus = {t.device for t in targets.values() if t.device.type != "cpu"}
+        if len(gpus) > 1:
+            raise StateMismatchError(f"load_into({reader.path!r}): the state's tensors are on "
+                                     f"{sorted(map(str, gpus))}: pass device= to say where to create the "
+                                     "file's tensors that it lacks")
+        where = gpus.pop() if gpus else torch.device("cpu")
+    else:
+        where = target_device(device)
+    created: dict[KeyPath, torch.Tensor] = {}
+    aliases: dict[tuple[str, torch.device], torch.Tensor] = {}  # one tensor stored once: one tensor created
+    for e in wanted:
+        dev = torch.device("cpu") if not e.shape else where
+        if e.view is not None:
+            created[e.path] = empty_tensor(e.shape, e.dtype, dev)
+        else:
+            key = (e.stored_as, dev)
+            if key not in aliases:
+                aliases[key] = empty_tensor(e.shape, e.dtype, dev)
+            created[e.path] = aliases[key]
+    return created
+
+
+def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
+              checksum: bool = True, progress: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT,
               num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
 
@@ -85,6 +133,15 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             StateMismatchError before anything is written. With False, keys on one side only
             are skipped and listed in a ``StateMismatchWarning`` (with ``.missing`` and
             ``.unexpected``); shape and dtype mismatches still raise.
+        device: where to create the file's tensors that ``state`` lacks below one of its
+            *empty* containers: a freshly built optimizer's ``state_dict()`` has ``"state":
+            {}``, so its moments are created (and read) there, ready for
+            ``optimizer.load_state_dict``; put ``{}`` (or ``[]``) where you want whatever the
+            file holds. "auto": the GPU of the state's tensors (the CPU if they are all there;
+            several GPUs: pass a device). 0-d tensors (optimizer step counters) are created on
+            the CPU, where ``torch.optim`` keeps them (fused and capturable optimizers'
+            ``load_state_dict`` moves them). None: create nothing (such tensors are then
+            unexpected keys).
         checksum: compare every tensor with its stored CRC-32C after reading it (``verify`` in
             0.1.0; a mismatch raises CorruptCheckpointError, see docs/reliability.md for what
             the targets then hold).
@@ -94,11 +151,14 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
 
     Returns:
         The file's structure with its non-tensor leaves (step, param_groups, ...) and the
-        given tensors at their places; file tensors the state lacks (strict=False) are None.
+        given tensors at their places, and the tensors created (``device``); other file tensors
+        the state lacks (strict=False) are None.
 
     Example:
         >>> loaded = ckptstream.load_into({"model": model.state_dict(), "step": 0}, "ckpt.safetensors")
         >>> step = loaded["step"]
+        >>> loaded = ckptstream.load_into({"model": model.state_dict(), "optim": fresh_opt.state_dict()}, path)
+        >>> fresh_opt.load_state_dict(loaded["optim"])   # the moments were created on the model's GPU
     """
     checksum = checksum_argument(checksum, verify, "load_into")
     with _gc.paused():
@@ -106,6 +166,7 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
               direct_io=direct_io) as reader:
         with _gc.paused():
+            targets.update(_created(reader, state, targets, device))
             _match(reader, targets, strict)
             dests, copies = _destinations(reader.entries(), targets)
             # every stored tensor: those without a target are read for their checksums

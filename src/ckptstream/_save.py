@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,9 +56,12 @@ def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bo
 
 
 def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
-                     stream: torch.cuda.Stream | None = None, after: Mark | None = None) -> None:
+                     stream: torch.cuda.Stream | None = None, after: Mark | None = None,
+                     staged: Callable[[], None] | None = None) -> None:
     """Write ``plan`` to a temp file beside ``path`` and publish it atomically; the copies follow
-    the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine)."""
+    the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine). ``staged``
+    is called once every byte of the tensors is out of them (before the header's checksums, the
+    fsync and the rename): a background save lets its caller change the tensors from then on."""
     with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
         _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
         raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
@@ -69,6 +72,8 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
             with _gc.paused():
                 engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream, after=after)
             crcs = engine.run()
+        if staged is not None:
+            staged()
         if plan.checksum:  # the same length: written over the placeholders
             _fileio.pwrite_all(file.fd, memoryview(_header.fill(plan.header, crcs)), 0, file.path)
         raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place

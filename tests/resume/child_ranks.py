@@ -1,0 +1,84 @@
+"""One rank of a two-process CheckpointManager run (tests/test_manager.py).
+
+    child_ranks.py group|files RANK DIR PORT
+
+Each rank saves its own shard at steps 1, 2 and 3 (keep=2). Rank 1's file of step 2 is late by
+a second: rank 0 checks that step 2 is not complete while it waits. Rank 1's save of step 3
+fails: neither rank may count step 3. With "group", the ranks share a gloo process group and
+run collectives on it while the saves complete in the background. Prints a JSON report.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptstream
+from ckptstream import _async, _save
+
+
+def shard(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"params": torch.randn(50_000, generator=g), "exp_avg": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+            "rank": rank, "step": step}
+
+
+def late_and_failing(rank: int) -> None:
+    real = _save.write_checkpoint
+
+    def write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        if rank == 1 and "step-000000000002" in path:
+            time.sleep(1.0)
+        if rank == 1 and "step-000000000003" in path:
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+        real(plan, path, *args, **kwargs)
+
+    _async.write_checkpoint = write  # type: ignore[attr-defined,assignment]
+
+
+def main(how: str, rank: int, directory: str, port: int) -> None:
+    grouped = how == "group"
+    if grouped:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    late_and_failing(rank)
+    report: dict[str, Any] = {}
+    ckpts = ckptstream.CheckpointManager(directory, keep=2, timeout=60, rank=None if grouped else rank,
+                                         world_size=None if grouped else 2)
+    for step in (1, 2, 3):
+        handle = ckpts.save(step, shard(rank, step))
+        if grouped:  # the training's own collectives go on while the save completes
+            for _ in range(20):
+                t = torch.ones(4)
+                dist.all_reduce(t)
+                assert t[0].item() == 2
+        if rank == 0 and step == 2:
+            own, done = handle.path, os.path.join(os.path.dirname(handle.path), "DONE")
+            while not os.path.exists(own):
+                time.sleep(0.005)
+            report["incomplete_while_rank1_writes"] = not os.path.exists(done) and ckpts.latest_step() == 1
+        try:
+            handle.result()
+            report[str(step)] = "ok"
+        except Exception as e:
+            report[str(step)] = type(e).__name__
+    report["steps"], report["latest"] = ckpts.steps(), ckpts.latest_step()
+    loaded = ckpts.load(2)
+    expected = shard(rank, 2)
+    report["loaded"] = all(torch.equal(loaded[k], expected[k]) for k in ("params", "exp_avg")) and \
+        (loaded["rank"], loaded["step"]) == (rank, 2)
+    report["files"] = sorted(os.listdir(os.path.join(directory, "step-000000000002")))
+    ckpts.close()
+    if grouped:
+        dist.destroy_process_group()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

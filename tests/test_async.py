@@ -1,0 +1,417 @@
+"""save_async: the file of the moment of the call in every mode, errors never lost,
+backpressure, exit with a save in flight, and (marked ``gpu``) the order of CUDA work."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptstream
+from ckptstream import _async, _capture, _save
+from ckptstream._engine.write import WriteEngine
+from helpers import engine_threads, random_tensor
+
+sys.path.insert(0, str(Path(__file__).parent / "resume"))
+from trainutil import detached, differences, run_child, start_child
+
+MODES = ["device", "lazy", "host"]
+SLOW: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 2, "io_threads": 1}  # many chunks: a slow save
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """Every test ends with no save in flight and no error left for the next test."""
+    yield
+    for handle in _async.in_flight():
+        handle._done.wait(30)
+    leftover = list(_async._uncollected)
+    _async._uncollected.clear()
+    assert leftover == [], f"a test left failed saves nobody collected: {leftover}"
+
+
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk takes 2 ms longer to write: a save is still streaming when the test acts."""
+    real = WriteEngine._write
+
+    def slowed(self: WriteEngine, chunk: Any, buf: Any) -> None:
+        time.sleep(0.002)
+        real(self, chunk, buf)
+
+    monkeypatch.setattr(WriteEngine, "_write", slowed)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Background saves start writing only once the returned event is set."""
+    opened = threading.Event()
+    real = _save.write_checkpoint
+
+    def gated(*args: Any, **kwargs: Any) -> None:
+        assert opened.wait(30), "the test never opened the gate"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_async, "write_checkpoint", gated)
+    yield opened
+    opened.set()
+
+
+def fail_writes(monkeypatch: pytest.MonkeyPatch, at_chunk: int = 2) -> None:
+    """The write engine fails with ENOSPC at its ``at_chunk``-th chunk (0-based)."""
+    real = WriteEngine._write
+    count = [0]
+
+    def failing(self: WriteEngine, chunk: Any, buf: Any) -> None:
+        count[0] += 1
+        if count[0] > at_chunk:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+        real(self, chunk, buf)
+
+    monkeypatch.setattr(WriteEngine, "_write", failing)
+
+
+def training_state(big: int = 1 << 21) -> dict[str, Any]:
+    """A training-like state: a large weight, a non-contiguous view, bf16, a 0-d CPU step, an
+    empty tensor, shared storage and plain leaves."""
+    w = random_tensor((big // 64, 64))
+    return {
+        "model": {"w": w, "w_t": w.t(), "b": random_tensor(33, torch.bfloat16), "empty": torch.empty(0, 3)},
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": random_tensor((100, 7))}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
+        "rng": torch.get_rng_state(),
+        "step": 7,
+    }
+
+
+def mutate(state: dict[str, Any]) -> None:
+    """Change every part of ``training_state`` in place, as the next training step would."""
+    with torch.no_grad():
+        state["model"]["w"].add_(1.0)
+        state["model"]["b"].mul_(-1)
+        state["optim"]["state"][0]["step"].add_(1)
+        state["optim"]["state"][0]["exp_avg"].zero_()
+        state["rng"].zero_()
+    state["optim"]["param_groups"][0]["lr"] = 0.05
+    state["step"] = 8
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_file_is_what_save_writes(mode: str, tmp_path: Path) -> None:
+    state = training_state(1 << 16)
+    handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"},
+                                   buffer_size=8192, num_buffers=3)
+    assert handle.path == str(tmp_path / "async.safetensors")
+    assert handle.mode == mode
+    assert handle.step is None
+    handle.wait_staged()
+    assert handle.wait() == handle.path
+    assert handle.done()
+    assert handle.staged()
+    assert engine_threads() == []  # the save's own thread is joined too
+    assert handle.seconds_to_staged is not None
+    assert handle.seconds_to_durable is not None
+    assert 0 <= handle.seconds_to_staged <= handle.seconds_to_durable
+    assert ckptstream.read_metadata(handle.path) == {"run": "a"}
+    ckptstream.save(state, tmp_path / "sync.safetensors", metadata={"run": "a"})
+    assert (tmp_path / "async.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()
+    assert [p.name for p in tmp_path.iterdir() if ".ckptstream-tmp-" in p.name] == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changes_after_the_call_are_not_in_the_file(mode: str, tmp_path: Path, slow_writes: None) -> None:
+    """"device" and "host": the state may change as soon as the call returns; "lazy": once
+    wait_staged() returns, and its small CPU tensors and plain values at once."""
+    state = training_state()
+    expected = detached(state)
+    handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, **SLOW)
+    if mode == "lazy":
+        state["optim"]["state"][0]["step"].add_(1)  # a CPU step counter, changed before the gate
+        state["step"] = 99
+        state["optim"]["param_groups"][0]["lr"] = 9.0
+        assert not handle.done()
+        handle.wait_staged()
+    mutate(state)
+    assert handle.result() == str(tmp_path / "ckpt.safetensors")
+    assert differences(ckptstream.load(handle.path), expected) == []
+
+
+def test_a_failed_save_raises_at_result_and_leaves_the_old_file(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"old": torch.arange(5)}, path)
+    old = path.read_bytes()
+    fail_writes(monkeypatch)
+    handle = ckptstream.save_async(training_state(), path, **SLOW)
+    handle.wait_staged()  # a failed save counts as staged: the state is no longer read
+    with pytest.raises(OSError, match="No space left") as e:
+        handle.result()
+    assert e.value.errno == errno.ENOSPC
+    assert handle.done()
+    assert handle.seconds_to_durable is None
+    with pytest.raises(OSError, match="No space left"):
+        handle.wait()  # asked again, it says the same
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
+    monkeypatch.undo()
+    ckptstream.save_async({"new": torch.arange(3)}, path).result()  # collected: nothing raised here
+    assert torch.equal(ckptstream.load(path)["new"], torch.arange(3))
+
+
+def test_an_uncollected_error_is_raised_by_the_next_save_async(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_writes(monkeypatch)
+    failed = ckptstream.save_async(training_state(), tmp_path / "a.safetensors", **SLOW)
+    while not failed.done():
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(ckptstream.CheckpointNotSavedError, match=r"a\.safetensors.*No space left") as e:
+        ckptstream.save_async({"x": torch.ones(3)}, tmp_path / "b.safetensors")
+    assert isinstance(e.value, RuntimeError)
+    assert isinstance(e.value.__cause__, OSError)
+    assert "b.safetensors was not started" in str(e.value)
+    assert not (tmp_path / "b.safetensors").exists()
+    assert _async.in_flight() == []
+    ckptstream.save_async({"x": torch.ones(3)}, tmp_path / "b.safetensors").result()  # raised once only
+
+
+def test_one_save_in_flight_then_the_next_call_waits(tmp_path: Path, gate: threading.Event) -> None:
+    first = ckptstream.save_async({"a": torch.arange(10)}, tmp_path / "a.safetensors")
+    returned = threading.Event()
+    second: list[ckptstream.SaveHandle] = []
+
+    def call() -> None:
+        second.append(ckptstream.save_async({"b": torch.arange(4)}, tmp_path / "b.safetensors"))
+        returned.set()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert not returned.wait(0.3)
+    assert not first.done()
+    gate.set()
+    caller.join(30)
+    assert returned.is_set()
+    assert first.done()
+    assert second[0].result()
+    assert first.result()
+
+
+def test_max_in_flight_lets_saves_overlap(tmp_path: Path, gate: threading.Event) -> None:
+    handles = [ckptstream.save_async({"t": torch.full((3,), float(i))}, tmp_path / f"{i}.safetensors",
+                                     max_in_flight=3) for i in range(3)]
+    assert not any(h.done() for h in handles)
+    assert len(_async.in_flight()) == 3
+    gate.set()
+    for i, h in enumerate(handles):
+        assert torch.equal(ckptstream.load(h.result())["t"], torch.full((3,), float(i)))
+
+
+def test_timeouts(tmp_path: Path, gate: threading.Event) -> None:
+    handle = ckptstream.save_async({"t": torch.ones(3)}, tmp_path / "t.safetensors", mode="lazy")
+    with pytest.raises(TimeoutError, match="not staged within"):
+        handle.wait_staged(timeout=0.05)
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        handle.result(timeout=0.05)
+    assert "staging" in repr(handle)
+    gate.set()
+    handle.result(timeout=30)
+    assert "durable" in repr(handle)
+
+
+@pytest.mark.parametrize("bad", ["object_leaf", "missing_directory", "mode", "max_in_flight"])
+def test_bad_input_raises_before_anything_starts(bad: str, tmp_path: Path) -> None:
+    state: dict[str, Any] = {"t": torch.ones(3)}
+    path, kwargs = tmp_path / "x.safetensors", dict[str, Any]()
+    expected: type[Exception] = ValueError
+    if bad == "object_leaf":
+        state["o"], expected = object(), ckptstream.UnsupportedTypeError
+    elif bad == "missing_directory":
+        path, expected = tmp_path / "nope" / "x.safetensors", FileNotFoundError
+    elif bad == "mode":
+        kwargs = {"mode": "gpu"}
+    else:
+        kwargs = {"max_in_flight": 0}
+    with pytest.raises(expected):
+        ckptstream.save_async(state, path, **kwargs)
+    assert _async.in_flight() == []
+    assert engine_threads() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_device_mode_short_of_memory_streams_the_live_state_before_returning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_writes: None) -> None:
+    monkeypatch.setattr(_capture, "_device_snapshot", lambda tensors: None)  # as when the GPU is full
+    state = training_state()
+    expected = detached(state)
+    with pytest.warns(ckptstream.SnapshotFallbackWarning, match="too little free GPU memory") as record:
+        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", **SLOW)
+    assert record[0].filename == __file__
+    assert handle.mode == "lazy"
+    assert handle.staged()
+    mutate(state)
+    handle.result()
+    assert differences(ckptstream.load(handle.path), expected) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptstream.SnapshotFallbackWarning)  # to refuse the stall
+        with pytest.raises(ckptstream.SnapshotFallbackWarning):
+            ckptstream.save_async(state, tmp_path / "refused.safetensors")
+    assert _async.in_flight() == []
+    assert not (tmp_path / "refused.safetensors").exists()
+
+
+# --- the end of the process ------------------------------------------------------------------
+
+
+def test_exit_waits_for_the_save_in_flight_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    proc = run_child("child_exit.py", "in-flight", str(path))
+    assert "waiting for the background save of" in proc.stderr
+    assert f"{path} is saved" in proc.stderr
+    assert torch.equal(ckptstream.load(path)["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("case", ["fails-in-flight", "failed-uncollected"])
+def test_exit_says_loudly_that_a_failed_save_was_not_published(case: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    proc = run_child("child_exit.py", case, str(path))
+    assert f"the background save of {path} FAILED and was NOT published: OSError" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_at_exit_abandons_the_save_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    child = start_child("child_exit.py", "in-flight-slow", str(path))
+    assert child.stderr is not None
+    line = child.stderr.readline()
+    child.send_signal(signal.SIGINT)
+    out, rest = child.communicate(timeout=60)
+    said = f"--- stdout\n{out}\n--- stderr\n{line}{rest}"
+    assert "waiting for the background save of" in line, said
+    assert f"abandoned the background save of {path}: it was NOT published" in rest, said
+    assert not path.exists(), said
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_saves(tmp_path: Path) -> None:
+    """A DataLoader worker forked while a save is in flight exits at once, without a word."""
+    proc = run_child("child_exit.py", "fork", str(tmp_path / "ckpt.safetensors"))
+    assert "forked child exited after" in proc.stdout
+    assert "with status 0" in proc.stdout
+    assert torch.equal(ckptstream.load(tmp_path / "ckpt.safetensors.child")["x"], torch.ones(3))
+    assert proc.stderr.count("waiting for the background save") == 1  # the parent's, not the child's
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+
+def _spin_then(fill: Callable[[], object]) -> None:
+    """Queue a long kernel, then ``fill``: work still pending on the stream when the call comes."""
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time
+    fill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_copies_follow_earlier_work_and_precede_later_work(mode: str, tmp_path: Path) -> None:
+    w = torch.zeros(1 << 22, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # w's zeros first
+    with torch.cuda.stream(side):  # the training's own stream, not the default one
+        _spin_then(lambda: w.fill_(1.0))
+        handle = ckptstream.save_async({"w": w}, tmp_path / "ckpt.safetensors", mode=mode)
+        if mode == "lazy":
+            handle.wait_staged()
+        w.fill_(2.0)  # the next optimizer step
+    handle.result()
+    assert torch.equal(ckptstream.load(handle.path)["w"], torch.ones(1 << 22))
+
+
+@pytest.mark.gpu
+def test_gpu_device_mode_holds_a_snapshot_only_while_saving(tmp_path: Path, gate: threading.Event) -> None:
+    w = random_tensor(1 << 24, device="cuda")  # 64 MiB
+    expected = w.cpu().clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    handle = ckptstream.save_async({"w": w}, tmp_path / "ckpt.safetensors")
+    assert torch.cuda.memory_allocated() - before == w.numel() * 4  # the snapshot
+    w.zero_()
+    gate.set()
+    handle.result()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.equal(ckptstream.load(handle.path)["w"], expected)
+
+
+@pytest.mark.gpu
+def test_gpu_device_mode_without_the_memory_falls_back(tmp_path: Path) -> None:
+    w = random_tensor(1 << 28, device="cuda")  # 1 GiB
+    expected = w.cpu().clone()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    blocker = torch.empty(free - (700 << 20), dtype=torch.uint8, device="cuda")  # about 700 MiB left
+    try:
+        with pytest.warns(ckptstream.SnapshotFallbackWarning, match=r"1\.00 GiB on cuda:0"):
+            handle = ckptstream.save_async({"w": w}, tmp_path / "ckpt.safetensors")
+        assert handle.mode == "lazy"
+        assert handle.staged()
+        w.zero_()
+        handle.result()
+    finally:
+        del blocker
+    assert torch.equal(ckptstream.load(handle.path)["w"], expected)
+
+
+@pytest.mark.gpu
+def test_gpu_host_mode_copies_into_pinned_memory(tmp_path: Path) -> None:
+    state = {"w": random_tensor((1024, 1024), torch.bfloat16, "cuda"), "step": torch.tensor(3.0)}
+    expected = detached(state)
+    handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
+    state["w"].zero_()
+    state["step"].add_(1)
+    handle.result()
+    assert differences(ckptstream.load(handle.path), expected) == []
+    assert os.path.getsize(handle.path) > 2 << 20
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["durable", "failed"])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_copy_is_freed_once_the_save_ends(mode: str, fails: bool, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device snapshot is GPU memory the training wants back: no reference outlives the save
+    (not even until the next garbage collection)."""
+    kept: list[weakref.ref[torch.Tensor]] = []
+    real = _capture.capture
+
+    def watched(tensors: list[torch.Tensor], mode: str) -> _capture.Captured:
+        captured = real(tensors, mode)
+        kept.extend(weakref.ref(t) for t in captured.tensors if all(t is not s for s in tensors))
+        return captured
+
+    monkeypatch.setattr(_async, "capture", watched)
+    if fails:
+        fail_writes(monkeypatch)
+    state = training_state(1 << 16)
+    gc.disable()
+    try:
+        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, **SLOW)
+        while not handle.done():  # the handle lives on, its error not asked for yet
+            time.sleep(0.01)
+        assert kept
+        assert [r() for r in kept if r() is not None] == []
+    finally:
+        gc.enable()
+    if fails:
+        with pytest.raises(OSError, match="No space left"):
+            handle.result()
+    else:
+        handle.result()

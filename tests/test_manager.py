@@ -1,0 +1,252 @@
+"""CheckpointManager: complete-only listing, keep-K, leftovers, crashes (a real SIGKILL at each
+stage of a save) and several ranks (a gloo process group, and files only)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptstream
+from ckptstream import _async, _save
+from ckptstream._engine.write import WriteEngine
+from helpers import random_tensor
+
+sys.path.insert(0, str(Path(__file__).parent / "resume"))
+from trainutil import differences, free_port, start_child
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    yield
+    for handle in _async.in_flight():
+        handle._done.wait(30)
+    leftover = list(_async._uncollected)
+    _async._uncollected.clear()
+    assert leftover == [], f"a test left failed saves nobody collected: {leftover}"
+
+
+def state(version: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(version)
+    return {"model": {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+            "optim": {"state": {0: {"step": torch.tensor(float(version))}}}, "step": version}
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_keep_the_newest_complete_checkpoints(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path, keep=2) as ckpts:
+        assert (ckpts.steps(), ckpts.latest_step()) == ([], None)
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            ckpts.load()
+        handles = [ckpts.save(step, state(step)) for step in (10, 20, 30)]
+        ckpts.wait()
+        assert [h.step for h in handles] == [10, 20, 30]
+        assert all(h.done() for h in handles)
+        assert ckpts.steps() == [20, 30]
+        assert ckpts.latest_step() == 30
+        assert entries(tmp_path) == ["step-000000000020", "step-000000000030"]
+        assert entries(tmp_path / "step-000000000030") == ["DONE", "state.safetensors"]
+        assert differences(ckpts.load(20), state(20)) == []
+        assert differences(ckpts.load(), state(30)) == []
+        assert ckpts.path() == handles[-1].path == str(tmp_path / "step-000000000030" / "state.safetensors")
+        done = json.loads((tmp_path / "step-000000000030" / "DONE").read_text())
+        assert done["step"] == 30
+        assert done["world_size"] == 1
+        assert done["files"] == {"state.safetensors": os.path.getsize(ckpts.path())}
+        handle = ckpts.save(40, state(40), blocking=True)
+        assert handle.done()
+        assert ckpts.steps() == [30, 40]
+
+
+def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path, keep=3) as ckpts:
+        ckpts.save(3, state(3), blocking=True)
+    good = tmp_path / "step-000000000003"
+    for step, done in ((7, None), (8, "{not json"), (9, "wrong size")):
+        folder = tmp_path / f"step-{step:012d}"
+        folder.mkdir()
+        (folder / "state.safetensors").write_bytes((good / "state.safetensors").read_bytes())
+        if done == "wrong size":
+            record = json.loads((good / "DONE").read_text())
+            record["files"]["state.safetensors"] += 1
+            done = json.dumps(record)
+        if done is not None:
+            (folder / "DONE").write_text(done)
+    (tmp_path / "step-000000000009" / ".state.safetensors.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")
+    (tmp_path / "step-notanumber").mkdir()
+    (tmp_path / "step-000000000010").write_text("a file, not a step folder")
+    ckpts = ckptstream.CheckpointManager(tmp_path, keep=3)
+    assert ckpts.steps() == [3]
+    assert ckpts.latest_step() == 3
+    assert len(entries(tmp_path)) == 6
+    ckpts.save(11, state(11), blocking=True)  # complete: the older incomplete steps go
+    assert ckpts.steps() == [3, 11]
+    assert entries(tmp_path) == ["step-000000000003", "step-000000000010", "step-000000000011", "step-notanumber"]
+    ckpts.close()
+    ckpts.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        ckpts.save(12, state(12))
+
+
+def test_steps_increase_and_delete_rolls_back(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path, keep=None) as ckpts:
+        for step in (1, 5, 9):
+            ckpts.save(step, state(step))
+        with pytest.raises(ValueError, match="step 5 is not after step 9"):
+            ckpts.save(5, state(0))
+        ckpts.wait()
+        ckpts.delete(9)
+        ckpts.save(6, state(6), blocking=True)  # training resumed from 5 takes another road
+        assert ckpts.steps() == [1, 5, 6]
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+            ckpts.load(9)
+        for bad in (-1, 2.0, True):
+            with pytest.raises(ValueError, match="step must be an integer"):
+                ckpts.save(bad, state(0))  # type: ignore[arg-type]
+    for kwargs, message in (({"keep": 0}, "keep must be"), ({"mode": "disk"}, "mode must be"),
+                            ({"max_in_flight": 0}, "max_in_flight must be"),
+                            ({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 1}, "needs world_size")):
+        with pytest.raises(ValueError, match=message):
+            ckptstream.CheckpointManager(tmp_path, **kwargs)
+
+
+def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpts = ckptstream.CheckpointManager(tmp_path, keep=2, buffer_size=4096, num_buffers=2)
+    ckpts.save(1, state(1), blocking=True)
+    real, count = WriteEngine._write, [0]
+
+    def failing(self: WriteEngine, chunk: Any, buf: Any) -> None:
+        count[0] += 1
+        if count[0] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+        real(self, chunk, buf)
+
+    monkeypatch.setattr(WriteEngine, "_write", failing)
+    handle = ckpts.save(2, state(2))
+    with pytest.raises(OSError, match="No space left"):
+        handle.result()
+    assert ckpts.latest_step() == 1
+    assert entries(tmp_path / "step-000000000002") == []
+    ckpts.wait()  # collected already: not raised again
+    uncollected = ckpts.save(3, state(3))
+    while not uncollected.done():
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="No space left"):
+        ckpts.close()  # nobody asked: close says it
+    monkeypatch.undo()
+    with ckptstream.CheckpointManager(tmp_path, keep=2) as again:
+        assert again.steps() == [1]
+        again.save(4, state(4))
+    assert again.steps() == [1, 4]
+    assert entries(tmp_path) == ["step-000000000001", "step-000000000004"]
+
+
+def test_saved_by_another_number_of_ranks(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path) as ckpts:
+        ckpts.save(1, state(1), blocking=True)
+    two = ckptstream.CheckpointManager(tmp_path, rank=0, world_size=2)
+    with pytest.raises(ckptstream.StateMismatchError, match="saved by 1 process"):
+        two.load()
+    assert two.path(rank=0) == str(tmp_path / "step-000000000001" / "state.safetensors")
+    two.close()
+
+
+def test_lazy_mode_manager_and_a_device_state(tmp_path: Path, device: torch.device) -> None:
+    w = random_tensor((1024, 512), device=device)  # 2 MiB: on the CPU too, streamed from the live tensor
+    expected = w.cpu().clone()
+    with ckptstream.CheckpointManager(tmp_path, mode="lazy") as ckpts:
+        handle = ckpts.save(1, {"w": w})
+        handle.wait_staged()
+        w.zero_()
+    assert torch.equal(ckpts.load(1)["w"], expected)
+    assert torch.equal(ckpts.load(1, device=device)["w"].cpu(), expected)
+
+
+# --- killed for real ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["streaming", "published", "pruning"])
+def test_sigkill_during_a_save_leaves_the_previous_step(point: str, tmp_path: Path) -> None:
+    child = start_child("child_kill.py", str(tmp_path), point)
+    assert child.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 120
+    while point not in lines and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        lines.append(line.strip())
+    child.send_signal(signal.SIGKILL)
+    _, err = child.communicate(timeout=60)
+    assert lines == ["ready", point], err
+    assert child.returncode == -signal.SIGKILL
+
+    ckpts = ckptstream.CheckpointManager(tmp_path, keep=1)
+    expected_latest = 2 if point == "pruning" else 1
+    assert ckpts.latest_step() == expected_latest
+    loaded = ckpts.load(1)
+    v = torch.arange(1 << 18, dtype=torch.float32)
+    assert torch.equal(loaded["w"], v)
+    assert loaded["step"] == 1
+    if point == "pruning":
+        assert ckpts.steps() == [1, 2]
+        assert torch.equal(ckpts.load()["w"], v * 2)
+    ckpts.save(3, {"w": v * 3, "step": 3}, blocking=True)
+    assert ckpts.steps() == [3]
+    assert entries(tmp_path) == ["step-000000000003"]
+    assert entries(tmp_path / "step-000000000003") == ["DONE", "state.safetensors"]
+    ckpts.close()
+
+
+# --- several ranks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["group", "files"])
+def test_two_ranks_complete_a_step_only_together(how: str, tmp_path: Path) -> None:
+    port = str(free_port())
+    children = [start_child("child_ranks.py", how, str(rank), str(tmp_path), port) for rank in (0, 1)]
+    reports = []
+    for rank, child in enumerate(children):
+        out, err = child.communicate(timeout=180)
+        assert child.returncode == 0, f"rank {rank}:\n{out}\n{err}"
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, report in enumerate(reports):
+        assert (report["1"], report["2"]) == ("ok", "ok"), report
+        assert report["3"] == ("IncompleteCheckpointError" if rank == 0 else "OSError"), report
+        assert (report["steps"], report["latest"], report["loaded"]) == ([1, 2], 2, True), report
+        assert report["files"] == ["DONE", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    assert reports[0]["incomplete_while_rank1_writes"] is True
+    after = ckptstream.CheckpointManager(tmp_path, rank=1, world_size=2)
+    assert after.steps() == [1, 2]
+    assert after.load(1)["rank"] == 1
+    after.close()
+
+
+def test_saves_in_flight_together_complete_in_step_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _save.write_checkpoint
+
+    def first_is_late(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        if "step-000000000001" in path:
+            time.sleep(0.5)
+        real(plan, path, *args, **kwargs)
+
+    monkeypatch.setattr(_async, "write_checkpoint", first_is_late)
+    with ckptstream.CheckpointManager(tmp_path, keep=1, max_in_flight=2) as ckpts:
+        first, second = ckpts.save(1, state(1)), ckpts.save(2, state(2))
+        assert second.result()
+        assert first.done()
+        assert first.result()
+        assert ckpts.steps() == [2]
+    assert entries(tmp_path) == ["step-000000000002"]
