@@ -120,6 +120,9 @@ def _host(tensors: list[torch.Tensor]) -> Captured:
     pin = torch.cuda.is_available()
     copies = [_copy(t, CPU, pin=pin and t.is_cuda) for t in tensors]
     devices = {t.device for t in tensors if t.is_cuda}
-    # the worker reads the host copies only once the device-to-host copies are done
-    ready = [torch.cuda.current_stream(d).record_event() for d in devices]
+    ready = []
+    for device in devices:  # the worker reads the host copies once the copies into them are done
+        event = torch.cuda.Event(blocking=True)  # it sleeps on it instead of spinning a core
+        event.record(torch.cuda.current_stream(device))
+        ready.append(event)
     return Captured(copies, "host", ready=ready)

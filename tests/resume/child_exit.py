@@ -37,7 +37,7 @@ def failing_after(chunks: int) -> None:
 
 
 def main(case: str, path: str) -> None:
-    slow_chunks({"in-flight-slow": 0.05, "fork": 0.02}.get(case, 0.002))
+    slow_chunks({"in-flight-slow": 0.25, "fork": 0.02}.get(case, 0.002))  # slow: 16 s, cut short by Ctrl-C
     if case.startswith("fail"):
         failing_after(5)
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
