@@ -55,12 +55,27 @@ def _run_sweep(opts: Options) -> int:
     return 0
 
 
-def _outputs(opts: Options, data: dict[str, Any], draw: Callable[[dict[str, Any], str], None]) -> None:
+def _run_training(opts: Options) -> int:
+    from . import training
+
+    unknown = sorted(set(opts.training_systems or ()) - set(training.SYSTEMS))
+    if unknown:
+        raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.SYSTEMS)}")
+    result = training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
+                          directory=opts.dir, checkpoints=max(2, opts.repeat), progress=runner.progress)
+    print(training.render(result), flush=True)
+    full = {"schema": 1, "mode": "training", "device": opts.device, "training": result,
+            "machine": machine_description(opts.dir)}
+    _outputs(opts, full, None)
+    return 1 if any("error" in r for r in result["systems"].values()) else 0
+
+
+def _outputs(opts: Options, data: dict[str, Any], draw: Callable[[dict[str, Any], str], None] | None) -> None:
     """--json and --plot (matplotlib is imported only here, when a plot is asked for)."""
     if opts.json:
         report.write_json(data, opts.json)
         runner.progress(f"wrote {opts.json}")
-    if opts.plot:
+    if opts.plot and draw is not None:
         draw(data, opts.plot)
         runner.progress(f"wrote {opts.plot}")
 
@@ -73,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         opts = resolve_options(args)
+        if opts.training:
+            return _run_training(opts)
         return _run_sweep(opts) if opts.sweep else _run_bench(opts)
     except BenchError as e:
         print(f"ckptstream bench: error: {e}", file=sys.stderr)

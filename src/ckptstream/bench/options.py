@@ -13,7 +13,7 @@ from ckptstream import CkptStreamError
 from .cache import Cold
 from .formats import GiB, MiB
 from .state import StateSpec
-from .systems import DEFAULT, SYSTEMS
+from .systems import DEFAULT, DEFAULT_RANKS, SYSTEMS
 
 DEFAULT_SIZE_GIB = 0.25  # small enough for `make demo` on a laptop without a GPU
 QUICK_SIZE_GIB = 1 / 128
@@ -66,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     staging.add_argument("--buffer-mib", type=_positive, metavar="M", help="MiB per staging buffer (buffer_size)")
     staging.add_argument("--num-buffers", type=_positive, metavar="N", help="staging buffers (num_buffers)")
     staging.add_argument("--io-threads", type=_positive, metavar="T", help="I/O threads (io_threads)")
+    training = parser.add_argument_group("what a training loop feels (--training): the stall of each way to save")
+    training.add_argument("--training", action="store_true",
+                          help="a GPT-like training loop sized to --size-gib: per save_async mode and peer, the time "
+                               "the loop is blocked, its slowdown while a save is in flight, extra GPU memory, "
+                               "peak RSS, time until durable")
+    training.add_argument("--training-systems", nargs="+", metavar="NAME",
+                          help="of sync, device, lazy, host, torch.save+thread, dcp.async_save, "
+                               "dcp.async_save+pinned (default: all)")
     sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
     sweep.add_argument("--sweep", action="store_true", help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
     sweep.add_argument("--sweep-buffer-mib", type=_ints, default=[4, 8, 16, 32, 64], help="buffer sizes in MiB (default 4,8,16,32,64)")
@@ -92,6 +100,8 @@ class Options:
     sweep: bool
     sweep_axes: dict[str, list[int] | str]  # the values of each staging setting the sweep combines
     staging: dict[str, int]  # ckptstream settings given on the command line
+    training: bool = False
+    training_systems: tuple[str, ...] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -115,9 +125,9 @@ def _device(requested: str) -> str:
     return requested
 
 
-def _systems(given: list[str] | None) -> tuple[str, ...]:
+def _systems(given: list[str] | None, ranks: int) -> tuple[str, ...]:
     if not given:
-        return DEFAULT
+        return DEFAULT_RANKS if ranks > 1 else DEFAULT
     names = [n.strip() for item in given for n in item.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
@@ -173,5 +183,6 @@ def resolve_options(args: argparse.Namespace) -> Options:
         "buffer_mib": args.sweep_buffer_mib, "num_buffers": args.sweep_num_buffers,
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
-    return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems), args.json, args.plot,
-                   args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes, _staging(args))
+    return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems, args.ranks), args.json,
+                   args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
+                   _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None)

@@ -98,6 +98,34 @@ def speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
             for row in rows if row["system"] in PEERS}
 
 
+def dcp_backend_speedups(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """DCP with ckptstream's StreamWriter / StreamReader over DCP with its own storage, per phase."""
+    by_label = {row["label"]: row for row in rows}
+    stream, own = by_label.get("dcp-stream"), by_label.get("dcp")
+    if stream is None or own is None:
+        return {}
+    return {p: _ratio(stream[p], own[p]) for p in ("save", "cold", "hot")}
+
+
+def _dcp_targets(rows: list[dict[str, Any]]) -> list[tuple[str, float | None, float]]:
+    """The targets of ckptstream's DCP storage on several ranks."""
+    stream = next((row for row in rows if row["label"] == "dcp-stream"), None)
+    if stream is None or stream["save"] is None:
+        return []
+    ups = dcp_backend_speedups(rows)
+    loads = [f for f in (stream["cold"], stream["hot"]) if f]
+    return [
+        ("DCP+StreamWriter save / write ceiling", stream["save_vs_ceiling"], 0.9),
+        ("DCP+StreamWriter save speedup over DCP's own writer", ups.get("save"), 2.5),
+        ("DCP+StreamReader cold load / read ceiling", stream["cold_vs_ceiling"], 0.95),
+        ("DCP+StreamReader cold load speedup over DCP's own reader", ups.get("cold"), 1.0),
+        ("DCP+StreamWriter peak RSS per rank - staging (MiB)",
+         (stream["save"]["rss_per_process"] - stream["save"]["staging"]) / 2**20, -64),
+        ("DCP+StreamReader peak RSS per rank - staging (MiB)",
+         max((f["rss_per_process"] - f["staging"]) / 2**20 for f in loads) if loads else None, -64),
+    ]
+
+
 def verify_cost(rows: list[dict[str, Any]]) -> float | None:
     """1 - (hot load with checksums verified) / (hot load without): the cost of verifying."""
     hot = {row["label"]: row["hot"] for row in rows}
@@ -117,6 +145,7 @@ def targets(rows: list[dict[str, Any]], ranks: int, kind: str, device: str) -> l
         ("save / write ceiling", ours["save_vs_ceiling"], 0.9),
         ("peak RSS growth of save - staging (MiB)", (save["rss_per_process"] - save["staging"]) / 2**20, -64),
     ]
+    out += _dcp_targets(rows) if ranks > 1 else []
     if ranks == 1:
         out += [(f"save speedup over {p}", ups.get(p, {}).get("save"), need)
                 for p, need in (("torch", 3.0), ("safetensors", 3.5), ("dcp", 3.5))]
@@ -154,6 +183,7 @@ def build_report(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any
         "repeat": opts.repeat, "ckptstream_settings": _ckptstream_settings(raw),
         "cold": {"method": method.value, "label": cache.cold_label(method, worst), "worst_resident_fraction": worst},
         "ceilings": ceilings, "rows": rows, "speedups": speedups(rows), "verify_cost": verify_cost(rows),
+        "dcp_backend_speedups": dcp_backend_speedups(rows),
         "targets": found, "targets_set_for": TARGETS_SET_FOR[mode] if found else None,
         "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info, "raw": raw,
     }

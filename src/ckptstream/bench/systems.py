@@ -19,7 +19,7 @@ import torch
 import ckptstream
 
 from .measure import quiet_warnings
-from .state import State, empty_like_state, flat_tensors
+from .state import State, empty_like_state, flat_tensors, iter_tensors
 
 Save = Callable[[State, str, int], None]  # (state, path, world size)
 Load = Callable[[str, Any, str, int], Any]  # (path, saved state or target, device, world size) -> state
@@ -116,30 +116,69 @@ def _st_load(path: str, like: Any, device: str, world: int) -> Any:
     return load_file(path, device=device)
 
 
-def _dcp_wrap(state: Any, world: int) -> dict[str, Any]:
-    """With a process group DCP treats equal keys on different ranks as one replicated tensor and
-    writes it once; the ranks here hold different data, so each gets its own key prefix."""
+_mesh: Any = None
+
+
+def _dcp_state(state: Any, world: int) -> Any:
+    """The state as DCP sees it: with several ranks, each rank's tensors as its shard of one
+    global DTensor (sharded on dimension 0), as FSDP2 and ZeRO states are; with one, as it is."""
+    global _mesh
     if world > 1:
-        return {f"rank{torch.distributed.get_rank()}": state}
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ckptstream.dcp import as_sharded
+
+        if _mesh is None:
+            device_type = next(t.device.type for _, t in iter_tensors(state))
+            _mesh = init_device_mesh(device_type, (world,))
+        return as_sharded(state, _mesh)
     return state if isinstance(state, dict) else {"state": state}
 
 
-def _dcp_save(state: State, path: str, world: int) -> None:
+def _dcp_save_with(writer: Any) -> Save:
+    def save(state: State, path: str, world: int) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        with quiet_warnings():
+            dcp_save(_dcp_state(state, world), storage_writer=writer(path), no_dist=world == 1)
+
+    return save
+
+
+def _dcp_load_with(reader: Any) -> Load:
+    def load(path: str, target: Any, device: str, world: int) -> Any:
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        wrapped = _dcp_state(target, world)  # loading into it fills target in place
+        with quiet_warnings():
+            dcp_load(wrapped, storage_reader=reader(path), no_dist=world == 1)
+        return target if world > 1 else wrapped
+
+    return load
+
+
+def _fs_writer(path: str) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
 
-    with quiet_warnings():
-        save(_dcp_wrap(state, world), storage_writer=FileSystemWriter(path), no_dist=world == 1)
+    return FileSystemWriter(path)
 
 
-def _dcp_load(path: str, target: Any, device: str, world: int) -> Any:
+def _fs_reader(path: str) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    wrapped = _dcp_wrap(target, world)
-    with quiet_warnings():
-        load(wrapped, storage_reader=FileSystemReader(path), no_dist=world == 1)
-    return next(iter(wrapped.values())) if world > 1 else wrapped
+    return FileSystemReader(path)
+
+
+def _stream_writer(path: str) -> Any:
+    from ckptstream.dcp import StreamWriter
+
+    return StreamWriter(path)
+
+
+def _stream_reader(path: str) -> Any:
+    from ckptstream.dcp import StreamReader
+
+    return StreamReader(path)
 
 
 SYSTEMS: dict[str, System] = {
@@ -152,10 +191,15 @@ SYSTEMS: dict[str, System] = {
         System("torch", "torch", "pt", _torch_save,
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),
         System("safetensors", "safetensors.torch", "safetensors", _st_save, (Variant("safetensors", _st_load),)),
-        System("dcp", "torch.distributed.checkpoint", "", _dcp_save, (Variant("dcp", _dcp_load, in_place=True),)),
+        System("dcp", "torch.distributed.checkpoint", "", _dcp_save_with(_fs_writer),
+               (Variant("dcp", _dcp_load_with(_fs_reader), in_place=True),)),
+        # DCP with ckptstream as its storage (StreamWriter / StreamReader)
+        System("dcp-stream", "torch.distributed.checkpoint", "", _dcp_save_with(_stream_writer),
+               (Variant("dcp-stream", _dcp_load_with(_stream_reader), in_place=True),)),
     )
 }
 DEFAULT = ("ckptstream", "torch", "safetensors", "dcp")
+DEFAULT_RANKS = (*DEFAULT, "dcp-stream")  # several ranks: DCP's own storage against ckptstream's
 PEERS = ("torch", "safetensors", "dcp")
 
 

@@ -102,6 +102,10 @@ def render_report(report: dict[str, Any]) -> str:
     if report.get("verify_cost") is not None:
         out += ["", f"verifying checksums cost {report['verify_cost']:.1%} of ckptstream's hot load speed "
                     "(ckptstream against ckptstream checksum=False)"]
+    dcp = {p: r for p, r in report.get("dcp_backend_speedups", {}).items() if r}
+    if dcp:
+        out += ["", "DCP with ckptstream's StreamWriter / StreamReader over DCP's own storage: "
+                    + ", ".join(f"{p} {r:.2f}x" for p, r in dcp.items())]
     out += _targets(report)
     out += [f"note: {note}" for note in report["notes"]]
     out += [f"FAILED: {what}: {error}" for what, error in report["failed"].items()]
