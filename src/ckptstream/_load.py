@@ -92,7 +92,10 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False, buffer_size:
         reader.verify(progress=progress)
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The user's metadata of a checkpoint (without ckptstream's own keys)."""
-    with open(path) as reader:
+def read_metadata(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
+                  io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> dict[str, str]:
+    """The user's metadata of a checkpoint (without ckptstream's own keys); only the header is
+    read, so the per-call settings are accepted for symmetry and change nothing."""
+    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+              direct_io=direct_io) as reader:
         return reader.metadata

@@ -48,15 +48,16 @@ def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], stric
             StateMismatchWarning(f"load_into({reader.path!r}, strict=False) skipped {len(missing)} missing key(s) "
                                  f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",
                                  missing, unexpected),
-            stacklevel=4,
+            stacklevel=3,
         )
 
 
-def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tensor]
+def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tensor], blobs: dict[str, torch.Tensor]
                   ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Where each stored tensor streams to, and the copies to make once it is read and verified:
-    the same tensor saved twice, and views of shared storage (read into a temporary)."""
-    dests: dict[str, torch.Tensor] = {}
+    the same tensor saved twice, and views of shared storage (read into a temporary, or into the
+    ``blobs`` created for them)."""
+    dests: dict[str, torch.Tensor] = dict(blobs)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, loaded source)
     for e in entries:
         if e.path in targets and e.view is None:
@@ -90,13 +91,15 @@ def _empty_containers(node: Any, path: KeyPath = (), found: set[KeyPath] | None 
 
 
 def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.Tensor], device: Any
-             ) -> dict[KeyPath, torch.Tensor]:
-    """New tensors for the file's tensors that ``state`` lacks below an empty container of it."""
+             ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, torch.Tensor]]:
+    """New tensors for the file's tensors that ``state`` lacks below an empty container of it,
+    and the blobs of shared bytes that those stored as views are views of (each of its stored
+    size: a view's shape may describe more)."""
     empty = _empty_containers(state) if device is not None else set()
     wanted = [e for e in reader.entries()
               if empty and e.path not in targets and any(e.path[:i] in empty for i in range(len(e.path)))]
     if not wanted:
-        return {}
+        return {}, {}
     if device == "auto":
         gpus = {t.device for t in targets.values() if t.device.type != "cpu"}
         if len(gpus) > 1:
@@ -107,17 +110,20 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
     else:
         where = target_device(device)
     created: dict[KeyPath, torch.Tensor] = {}
+    blobs: dict[str, torch.Tensor] = {}
     aliases: dict[tuple[str, torch.device], torch.Tensor] = {}  # one tensor stored once: one tensor created
     for e in wanted:
         dev = torch.device("cpu") if not e.shape else where
         if e.view is not None:
-            created[e.path] = empty_tensor(e.shape, e.dtype, dev)
+            if e.stored_as not in blobs:
+                blobs[e.stored_as] = torch.empty(e.end - e.offset, dtype=torch.uint8, device=where)
+            created[e.path] = make_view(blobs[e.stored_as], e.view)
         else:
             key = (e.stored_as, dev)
             if key not in aliases:
                 aliases[key] = empty_tensor(e.shape, e.dtype, dev)
             created[e.path] = aliases[key]
-    return created
+    return created, blobs
 
 
 def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
@@ -166,9 +172,10 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
               direct_io=direct_io) as reader:
         with _gc.paused():
-            targets.update(_created(reader, state, targets, device))
+            created, blobs = _created(reader, state, targets, device)
+            targets.update(created)
             _match(reader, targets, strict)
-            dests, copies = _destinations(reader.entries(), targets)
+            dests, copies = _destinations(reader.entries(), targets, blobs)
             # every stored tensor: those without a target are read for their checksums
             wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
         reader.stream(wanted, checksum=checksum, progress=progress)

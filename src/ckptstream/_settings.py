@@ -28,13 +28,15 @@ class DirectIO(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> DirectIO:
-        """A DirectIO from itself, its name, or the 0.1.0 spellings True / False / None (auto)."""
+        """A DirectIO from itself, its name, or the 0.1.0 spellings: True / False / None (auto)
+        and, in the environment, 1 / true / 0 / false."""
         table = {None: cls.AUTO, True: cls.ON, False: cls.OFF}
         if isinstance(value, bool) or value is None:
             return table[value]
         if isinstance(value, str):
+            text = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(value.lower(), value.lower())
             with contextlib.suppress(ValueError):
-                return cls(value.lower())
+                return cls(text)
         raise ValueError(f"direct_io must be 'auto', 'on' or 'off' (or True / False), got {value!r}")
 
 

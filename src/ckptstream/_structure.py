@@ -30,6 +30,7 @@ _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", 
 VIEW_RATIO, VIEW_FLOOR = 1024, 1 << 20  # see view_limit
 INT_BITS = 14_000  # at most 4215 digits: within Python's 4300-digit limit on reading ints from text
 SAME_HASH = 8  # more int keys of one dict with one hash value: a crafted file (see unflatten)
+MAX_DEPTH = 64  # containers in containers; deeper states are refused (a node's key path costs its depth)
 
 
 def key_str(path: KeyPath) -> str:
@@ -39,6 +40,9 @@ def key_str(path: KeyPath) -> str:
 def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every leaf with its key path; raises UnsupportedTypeError on anything not storable."""
     kind = _CONTAINERS.get(type(state))
+    if kind and len(path) >= MAX_DEPTH:
+        raise UnsupportedTypeError(f"{key_str(path)[:200]}: the state nests containers more than {MAX_DEPTH} deep; "
+                                   "ckptstream stores states up to that depth (or the state contains itself)")
     if kind in ("dict", "odict"):
         for key, value in state.items():
             if type(key) not in (str, int):
@@ -281,6 +285,9 @@ def unflatten(tree: Any, tensor_leaf: TensorLeaf, where: str, path: KeyPath = ()
     if tag == "tensor" or tag == "view":
         return tensor_leaf(path, tree)
     if type(body) is list:
+        if len(path) >= MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the structure nests containers more than {MAX_DEPTH} deep, "
+                                         "deeper than ckptstream writes: the file is crafted or corrupt")
         if tag == "dict" or tag == "odict":
             return _unflatten_dict(tag, body, tensor_leaf, where, path)
         if tag == "list" or tag == "tuple":

