@@ -26,10 +26,12 @@ from ckptstream.bench.multirank import Group
 from ckptstream.bench.state import StateSpec, build_state, flat_tensors, gpt_shapes, state_nbytes
 
 TINY = str(1 / 128)  # GiB
-DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream checksum=False", "torch", "torch mmap", "safetensors", "dcp"]
+DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream checksum=False",
+                "torch", "torch mmap", "safetensors", "dcp"]
 
 
-def bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Any]:
+def bench(tmp_path: Path, *args: str,
+          env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Any]:
     """Run ``ckptstream bench --quick`` with its workspace in tmp_path/work; returns the JSON too."""
     work, out = tmp_path / "work", tmp_path / "bench.json"
     work.mkdir(exist_ok=True)
@@ -45,9 +47,11 @@ def assert_workspace_gone(tmp_path: Path) -> None:
 
 
 def assert_positive(fig: dict[str, Any]) -> None:
-    assert fig["gbps"] > 0 and fig["seconds"] > 0
+    assert fig["gbps"] > 0
+    assert fig["seconds"] > 0
     assert all(g > 0 for g in fig["gbps_runs"])
-    assert fig["rss_per_process"] >= 0 and fig["rss_total"] >= fig["rss_per_process"]
+    assert fig["rss_per_process"] >= 0
+    assert fig["rss_total"] >= fig["rss_per_process"]
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +75,18 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
     ours = data["rows"][0]
     assert ours["save"]["staging"] > 0  # ckptstream's staging buffers are reported
     assert data["verify_cost"] == pytest.approx(report.verify_cost(data["rows"]))
-    assert data["targets"] == [] and data["targets_set_for"] is None  # set for a GPU machine, not this one
+    assert data["targets"] == []
+    assert data["targets_set_for"] is None
     assert data["ckptstream_settings"] == _settings_now()
     for kind in ("write", "read", "hot"):
         assert data["ceilings"][kind]["gbps"] > 0
     assert set(data["speedups"]) == {"torch", "torch mmap", "safetensors", "dcp"}
-    assert data["cold"]["label"] in ("cold", "warm") and data["cold"]["method"] in ("drop_caches", "fadvise", "none")
+    assert data["cold"]["label"] in ("cold", "warm")
+    assert data["cold"]["method"] in ("drop_caches", "fadvise", "none")
     machine = data["machine"]
-    assert machine["cpu"] and machine["file_system"]["fs_type"] and machine["versions"]["torch"] == torch.__version__
+    assert machine["cpu"]
+    assert machine["file_system"]["fs_type"]
+    assert machine["versions"]["torch"] == torch.__version__
     assert data["failed"] == {}
     assert_workspace_gone(tmp)
 
@@ -88,9 +96,12 @@ def test_quick_run_prints_table_progress_and_plot(quick: tuple[Path, subprocess.
     header = next(line for line in proc.stdout.splitlines() if line.startswith("system"))
     for column in ("save GB/s", "/write", "load GB/s", "/read", "hot load GB/s", "peak RSS save"):
         assert column in header
-    assert "ckptstream speedup" in proc.stdout and "verifying checksums cost" in proc.stdout
-    assert "targets (" not in proc.stdout and "MISSED" not in proc.stdout  # a CPU run judges no GPU target
-    assert "[1/5] raw disk and copy ceilings" in proc.stderr and "torch save 1/1" in proc.stderr
+    assert "ckptstream speedup" in proc.stdout
+    assert "verifying checksums cost" in proc.stdout
+    assert "targets (" not in proc.stdout
+    assert "MISSED" not in proc.stdout
+    assert "[1/5] raw disk and copy ceilings" in proc.stderr
+    assert "torch save 1/1" in proc.stderr
     assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -104,9 +115,12 @@ def without_safetensors(tmp_path: Path) -> dict[str, str]:
 
 def test_not_enough_disk_space_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), "--size-gib", "1000000"])
-    assert cli.main(["bench", "--dir", str(tmp_path), "--size-gib", "1000000"]) == 2 and args.size_gib == 1e6
+    assert cli.main(["bench", "--dir", str(tmp_path), "--size-gib", "1000000"]) == 2
+    assert args.size_gib == 1e6
     err = capsys.readouterr().err
-    assert "not enough free disk space" in err and str(tmp_path) in err and "--size-gib" in err
+    assert "not enough free disk space" in err
+    assert str(tmp_path) in err
+    assert "--size-gib" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -117,7 +131,8 @@ def test_ranks_2_quick_with_gloo_and_a_missing_peer(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert any("safetensors skipped" in note and "not installed" in note for note in data["notes"])
     assert "note: safetensors skipped" in proc.stdout
-    assert data["mode"] == "ranks" and data["state"]["ranks"] == 2
+    assert data["mode"] == "ranks"
+    assert data["state"]["ranks"] == 2
     assert [row["label"] for row in data["rows"]] == ["ckptstream", "dcp"]
     for row in data["rows"]:
         assert_positive(row["save"])
@@ -125,8 +140,11 @@ def test_ranks_2_quick_with_gloo_and_a_missing_peer(tmp_path: Path) -> None:
         assert row["hot"] is None
         assert row["bytes"] == 2 * data["state"]["bytes_per_rank"]
         assert len(data["raw"]["systems"][row["system"]]) == 2  # one result per rank
-    assert data["ceilings"]["write"]["gbps"] > 0 and data["ceilings"]["read"]["gbps"] > 0
-    assert "slowest save s" in proc.stdout and "RSS total save" in proc.stdout and "RSS total load" in proc.stdout
+    assert data["ceilings"]["write"]["gbps"] > 0
+    assert data["ceilings"]["read"]["gbps"] > 0
+    assert "slowest save s" in proc.stdout
+    assert "RSS total save" in proc.stdout
+    assert "RSS total load" in proc.stdout
     assert_workspace_gone(tmp_path)
 
 
@@ -140,20 +158,24 @@ def test_sweep_in_process(tmp_path: Path) -> None:
     job["spec"] = {"size_bytes": 0, "tensors": 1, "tensor_kib": 4096, "seed": 0}
     result = sweep.run_sweep(job, Group("cpu"))
     rows = result["rows"]
-    assert [(r["buffer_size"] // MiB, r["num_buffers"], r["io_threads"]) for r in rows] == [(1, 2, 1), (1, 2, 2), (4, 2, 1), (4, 2, 2)]
+    combos = [(r["buffer_size"] // MiB, r["num_buffers"], r["io_threads"]) for r in rows]
+    assert combos == [(1, 2, 1), (1, 2, 2), (4, 2, 1), (4, 2, 2)]
     assert all(r[k] > 0 for r in rows for k in ("write", "cold", "hot"))
     printed = sweep.render_sweep(result, report.ceiling_figures([result["ceilings"]]), "cpu", "cold")
-    assert "best write" in printed and "current defaults" in printed
+    assert "best write" in printed
+    assert "current defaults" in printed
     assert list(Path(job["dir"]).iterdir()) == []
 
 
 def test_gpt_state_has_a_transformer_mix() -> None:
     shapes = gpt_shapes(8 * GiB)
-    assert len(shapes) >= 100 and 4 * len(shapes) >= 400  # hundreds of tensors at 8 GiB
+    assert len(shapes) >= 100
+    assert 4 * len(shapes) >= 400
     assert StateSpec(8 * GiB).nbytes() == pytest.approx(8 * GiB, rel=0.05)
     spec = StateSpec(2 * MiB, seed=3)
     state = build_state(spec, "cpu")
-    assert set(state) == {"model", "master", "optim", "step"} and set(state["optim"]) == {"exp_avg", "exp_avg_sq"}
+    assert set(state) == {"model", "master", "optim", "step"}
+    assert set(state["optim"]) == {"exp_avg", "exp_avg_sq"}
     names = state["model"].keys()
     assert {"wte.weight", "wpe.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_proj.bias", "ln_f.weight"} <= set(names)
     for group, dtype in (("model", torch.bfloat16), ("master", torch.float32)):
@@ -175,7 +197,8 @@ def test_many_small_tensors_state() -> None:
     spec = StateSpec(tensors=300, tensor_kib=1)
     state = build_state(spec, "cpu")
     tensors = flat_tensors(state)
-    assert len(tensors) == 300 and all(t.numel() * t.element_size() == 1024 for t in tensors.values())
+    assert len(tensors) == 300
+    assert all(t.numel() * t.element_size() == 1024 for t in tensors.values())
     assert spec.nbytes() == state_nbytes(state) == 300 * 1024
 
 
@@ -183,7 +206,8 @@ def test_peak_rss_sees_a_freed_allocation() -> None:
     with measure.PeakRss() as rss:
         block = torch.ones(64 * MiB, dtype=torch.uint8)  # touched pages
         del block
-    assert rss.method == "VmHWM" and rss.growth >= 60 * MiB
+    assert rss.method == "VmHWM"
+    assert rss.growth >= 60 * MiB
     with measure.PeakRss() as idle:
         pass
     assert idle.growth < 16 * MiB
@@ -195,7 +219,8 @@ def test_peak_rss_falls_back_to_sampling(monkeypatch: pytest.MonkeyPatch) -> Non
         block = torch.ones(64 * MiB, dtype=torch.uint8)
         time.sleep(0.05)
         del block
-    assert rss.method == "sampled" and rss.growth >= 60 * MiB
+    assert rss.method == "sampled"
+    assert rss.growth >= 60 * MiB
 
 
 def test_fadvise_makes_a_file_cold(tmp_path: Path) -> None:
@@ -206,9 +231,12 @@ def test_fadvise_makes_a_file_cold(tmp_path: Path) -> None:
     path.read_bytes()
     assert cache.resident_fraction([str(path)]) == pytest.approx(1.0)
     cache.evict(cache.Cold.FADVISE, [str(path)])
-    assert cache.resident_fraction([str(path)]) <= cache.STILL_COLD
+    evicted = cache.resident_fraction([str(path)])
+    assert evicted is not None
+    assert evicted <= cache.STILL_COLD
     assert cache.cold_label(cache.Cold.FADVISE, 0.0) == "cold"
-    assert cache.cold_label(cache.Cold.FADVISE, 0.5) == "warm" and cache.cold_label(cache.Cold.NONE, 0.0) == "warm"
+    assert cache.cold_label(cache.Cold.FADVISE, 0.5) == "warm"
+    assert cache.cold_label(cache.Cold.NONE, 0.0) == "warm"
 
 
 def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
@@ -217,8 +245,10 @@ def test_aggregate_rate_is_set_by_the_slowest_rank() -> None:
 
     fig = report.phase_figure([[run(1.0, 10), run(2.0, 30), run(1.0, 10)], [run(2.0, 20), run(1.0, 10), run(4.0, 40)]],
                               total_bytes=8 * 10**9)
-    assert fig["seconds_runs"] == [2.0, 2.0, 4.0] and fig["gbps"] == pytest.approx(4.0)
-    assert fig["rss_per_process"] == 30 and fig["rss_total"] == 40
+    assert fig["seconds_runs"] == [2.0, 2.0, 4.0]
+    assert fig["gbps"] == pytest.approx(4.0)
+    assert fig["rss_per_process"] == 30
+    assert fig["rss_total"] == 40
 
 
 def test_verify_cost_compares_the_hot_loads_with_and_without_checksums() -> None:
@@ -229,7 +259,8 @@ def test_verify_cost_compares_the_hot_loads_with_and_without_checksums() -> None
     assert report.verify_cost([dict(rows[0], hot=None), rows[2]]) is None
 
 
-def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(path: str, like: Any, device: str, world: int) -> Any:
         raise RuntimeError("simulated loader bug")
 
@@ -241,7 +272,8 @@ def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path
     result = worker.run_system(job, Group("cpu"))
     assert result["load_errors"] == {"torch broken": "RuntimeError: simulated loader bug"}
     assert list(result["runs"]["loads"]) == ["torch"]
-    assert len(result["runs"]["save"]) == 2 and len(result["runs"]["loads"]["torch"]["cold"]) == 2
+    assert len(result["runs"]["save"]) == 2
+    assert len(result["runs"]["loads"]["torch"]["cold"]) == 2
     assert len(result["runs"]["loads"]["torch"]["hot"]) == 2 * -(-worker.HOT_RUNS // 2)
     assert list((tmp_path / "torch").iterdir()) == []
 
@@ -256,15 +288,19 @@ def test_many_small_tensors_run_every_peer_with_staging_options(tmp_path: Path) 
                        "--buffer-mib", "4", "--num-buffers", "2", "--io-threads", "2")
     assert proc.returncode == 0, proc.stderr
     assert [row["label"] for row in data["rows"]] == DEFAULT_ROWS
-    assert data["state"]["kind"] == "small" and data["state"]["bytes_per_rank"] == 200 * 1024
+    assert data["state"]["kind"] == "small"
+    assert data["state"]["bytes_per_rank"] == 200 * 1024
     for peer in ("torch", "safetensors", "dcp"):  # every phase compared with every peer
         assert all(data["speedups"][peer][p] > 0 for p in ("save", "cold", "hot")), data["speedups"][peer]
     assert data["ckptstream_settings"] == {"buffer_size": 4 * MiB, "num_buffers": 2, "io_threads": 2}
     assert data["rows"][0]["save"]["staging"] <= 2 * 4 * MiB
     assert data["targets"] == []
     speedup_header = next(line for line in proc.stdout.splitlines() if line.startswith("ckptstream speedup"))
-    assert "save" in speedup_header and "load" in speedup_header and "hot load" in speedup_header
-    assert "save s" in proc.stdout and "ckptstream settings: 2 x 4.0 MiB staging, 2 I/O threads" in proc.stdout
+    assert "save" in speedup_header
+    assert "load" in speedup_header
+    assert "hot load" in speedup_header
+    assert "save s" in proc.stdout
+    assert "ckptstream settings: 2 x 4.0 MiB staging, 2 I/O threads" in proc.stdout
     assert_workspace_gone(tmp_path)
 
 
@@ -313,13 +349,15 @@ def _printed_rows(rep: dict[str, Any]) -> dict[str, dict[str, str]]:
     """The printed table as {system: {column: cell}}."""
     header, _, *lines = text._rows(rep)
     columns = re.split(r"\s{2,}", header.strip())
-    return {cells[0]: dict(zip(columns, cells, strict=True)) for cells in (re.split(r"\s{2,}", line.strip()) for line in lines)}
+    rows = (re.split(r"\s{2,}", line.strip()) for line in lines)
+    return {cells[0]: dict(zip(columns, cells, strict=True)) for cells in rows}
 
 
 def test_targets_only_where_they_were_set(tmp_path: Path) -> None:
     cuda = _fabricated_report(tmp_path, "cuda", "--size-gib", "8")
     judged = {t["target"]: t["ok"] for t in cuda["targets"]}
-    assert judged["save / write ceiling"] is False and judged["save speedup over torch"] is True
+    assert judged["save / write ceiling"] is False
+    assert judged["save speedup over torch"] is True
     assert judged["share of hot load speed that verifying costs"] is False  # 1 - 8/10
     assert cuda["targets_set_for"] == "one H200 GPU machine, 8 GiB GPT-like state"
     printed = text.render_report(cuda)
@@ -328,9 +366,12 @@ def test_targets_only_where_they_were_set(tmp_path: Path) -> None:
     assert "verifying checksums cost 20.0%" in printed
 
     cpu = _fabricated_report(tmp_path, "cpu", "--size-gib", "8")
-    assert cpu["targets"] == [] and cpu["targets_set_for"] is None
+    assert cpu["targets"] == []
+    assert cpu["targets_set_for"] is None
     printed = text.render_report(cpu)
-    assert "MISSED" not in printed and "targets (" not in printed and "verifying checksums cost 20.0%" in printed
+    assert "MISSED" not in printed
+    assert "targets (" not in printed
+    assert "verifying checksums cost 20.0%" in printed
     small = _fabricated_report(tmp_path, "cuda", "--tensors", "20000", "--tensor-kib", "1")
     assert small["targets"] == []  # set for the GPT-like state, not for many small tensors
 
@@ -338,8 +379,10 @@ def test_targets_only_where_they_were_set(tmp_path: Path) -> None:
 def test_two_rank_report_keeps_save_and_load_rss_totals_apart(tmp_path: Path) -> None:
     rep = _fabricated_report(tmp_path, "cuda", "--size-gib", "4", "--ranks", "2")
     rows = _printed_rows(rep)
-    assert rows["dcp"]["RSS/proc save"] == "+200 MiB" and rows["dcp"]["RSS/proc load"] == "+50 MiB"
-    assert rows["dcp"]["RSS total save"] == "+400 MiB" and rows["dcp"]["RSS total load"] == "+100 MiB"
+    assert rows["dcp"]["RSS/proc save"] == "+200 MiB"
+    assert rows["dcp"]["RSS/proc load"] == "+50 MiB"
+    assert rows["dcp"]["RSS total save"] == "+400 MiB"
+    assert rows["dcp"]["RSS total load"] == "+100 MiB"
     assert [t["target"] for t in rep["targets"]] == ["save / write ceiling", "peak RSS growth of save - staging (MiB)"]
     assert rep["targets_set_for"] == report.TARGETS_SET_FOR["ranks"]
 
@@ -366,8 +409,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             found += [(a.name, 0) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found += [(node.module or "", node.level)] + [(f"{node.module}.{a.name}" if node.module else a.name, node.level)
-                                                          for a in node.names]
+            found += [(node.module or "", node.level)]
+            found += [(f"{node.module}.{a.name}" if node.module else a.name, node.level) for a in node.names]
     return found
 
 

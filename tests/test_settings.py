@@ -214,7 +214,7 @@ def test_every_io_function_takes_the_four_options(tmp_path: Path, engines_made: 
 def test_read_metadata_takes_the_four_options(tmp_path: Path) -> None:
     """read_metadata is an I/O function too: it takes the same per-call options as the others."""
     ckptstream.save({"w": random_tensor(3)}, tmp_path / "c.safetensors", metadata={"k": "v"})
-    assert ckptstream.read_metadata(tmp_path / "c.safetensors", buffer_size=8192, num_buffers=2,  # type: ignore[call-arg]
+    assert ckptstream.read_metadata(tmp_path / "c.safetensors", buffer_size=8192, num_buffers=2,
                                     io_threads=1, direct_io="off") == {"k": "v"}
 
 

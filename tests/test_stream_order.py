@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from ckptstream._engine import streams
 from streamsim import SimDevices
 
 # small chunks, fewer buffers than chunks: every buffer is reused while copies are pending
-SMALL = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}
+SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}
 
 
 @pytest.fixture
@@ -51,7 +52,10 @@ def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
     final = _state()
     state = {k: torch.full_like(v, 3) for k, v in final.items()}  # what the tensors hold before the kernels
     for k, v in final.items():
-        simulated_gpu.producer(lambda k=k, v=v: state[k].copy_(v))  # queued kernels produce the values
+        def kernel(k: str = k, v: torch.Tensor = v) -> None:
+            state[k].copy_(v)
+
+        simulated_gpu.producer(kernel)  # queued kernels produce the values
     path = tmp_path / "s.safetensors"
     ckptstream.save(state, path, **SMALL)
     written = _file_state(path)

@@ -307,7 +307,8 @@ def _by_offsets(t: TensorInfo) -> tuple[int, int]:
 def _entry(path: str, name: str, raw: Any) -> TensorInfo:
     """One validated table entry; the common case costs a few checks (files hold many)."""
     try:
-        dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]  # other fields: ignored, as safetensors does
+        # other fields: ignored, as safetensors does
+        dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
         torch_dtype = DTYPES[dtype]
         begin, end = offsets
     except (TypeError, KeyError, ValueError):

@@ -25,7 +25,8 @@ from ._structure import KeyPath, key_str, make_view, walk
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device, a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.device, b.data_ptr(), b.dtype, b.shape, b.stride())
+    return ((a.device, a.data_ptr(), a.dtype, a.shape, a.stride())
+            == (b.device, b.data_ptr(), b.dtype, b.shape, b.stride()))
 
 
 def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], strict: bool) -> None:

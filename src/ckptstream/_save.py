@@ -70,7 +70,8 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
             pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
         with progress_bar(progress, sum(p.nbytes for p in pieces), f"save {os.path.basename(os.fspath(path))}") as bar:
             with _gc.paused():
-                engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar, stream=stream, after=after)
+                engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar,
+                                     stream=stream, after=after)
             crcs = engine.run()
         if staged is not None:
             staged()

@@ -45,13 +45,7 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
                                    "ckptstream stores states up to that depth (or the state contains itself)")
     if kind in ("dict", "odict"):
         for key, value in state.items():
-            if type(key) not in (str, int):
-                raise UnsupportedTypeError(f"{key_str(path)}: dict key {key!r} is a {type(key).__name__}; "
-                                           "only str and int keys can be stored")  # fmt: skip
-            if type(key) is str:
-                _check_text(key, (*path, key))
-            elif key.bit_length() > INT_BITS:
-                _too_long(key, f"{key_str(path)}: a dict key")  # not printable: the limit applies to str() too
+            _check_dict_key(key, path)
             yield from walk(value, (*path, key))
     elif kind:
         for i, value in enumerate(state):
@@ -71,6 +65,17 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             "dict, OrderedDict, list, tuple, torch.Tensor, None, bool, int, float and str (convert it first, "
             "e.g. int(x) for a numpy integer)"
         )
+
+
+def _check_dict_key(key: Any, path: KeyPath) -> None:
+    """Raises UnsupportedTypeError unless ``key`` (of the dict at ``path``) is a storable str or int."""
+    if type(key) not in (str, int):
+        raise UnsupportedTypeError(f"{key_str(path)}: dict key {key!r} is a {type(key).__name__}; "
+                                   "only str and int keys can be stored")  # fmt: skip
+    if type(key) is str:
+        _check_text(key, (*path, key))
+    elif key.bit_length() > INT_BITS:
+        _too_long(key, f"{key_str(path)}: a dict key")  # not printable: the limit applies to str() too
 
 
 def _too_long(number: int, where: str) -> None:

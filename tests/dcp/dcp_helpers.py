@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstream
+import ckptstream.dcp
 
 HERE = Path(__file__).resolve().parent
 SRC = Path(ckptstream.__file__).resolve().parent.parent

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,15 @@ import ckptstream.dcp
 from ckptstream import _fileio
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 except ImportError:  # torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate, Shard, distribute_tensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import (  # type: ignore[attr-defined]
+        DTensor,
+        Placement,
+        Replicate,
+        Shard,
+        distribute_tensor,
+    )
 from torch.distributed.device_mesh import init_device_mesh
 
 MODES = ("device", "lazy", "host")
@@ -65,6 +72,7 @@ def flat(state: dict[str, Any]) -> dict[str, Any]:
 def target(ctx: Ctx, kind: str) -> dict[str, Any]:
     """A poisoned destination state sharded as ``kind`` ("shard1" or "replicate")."""
     full = {k: poisoned_like(v) for k, v in global_tensors().items()}
+    placements: dict[str, Placement]
     if kind == "replicate":
         placements = dict.fromkeys(full, Replicate())
     else:
@@ -124,7 +132,7 @@ def scenario_reshard(ctx: Ctx) -> None:
     save_async(ctx, state)
     own = rank_local(ctx.rank)
     dcp.save(ckptstream.dcp.as_sharded(own), storage_writer=ckptstream.dcp.StreamWriter(work / "own-shards"))
-    target_own = {"a": poisoned_like(own["a"]), "b": [poisoned_like(own["b"][0])]}
+    target_own: dict[str, Any] = {"a": poisoned_like(own["a"]), "b": [poisoned_like(own["b"][0])]}
     dcp.load(ckptstream.dcp.as_sharded(target_own), storage_reader=ckptstream.dcp.StreamReader(work / "own-shards"))
     assert same_bits(target_own["a"], own["a"]), "as_sharded: a"
     assert same_bits(target_own["b"][0], own["b"][0]), "as_sharded: b"
@@ -143,6 +151,7 @@ def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
         writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", staging=mode, buffer_size=4096,
                                              num_buffers=2)
         future = dcp.async_save(live, storage_writer=writer)
+        assert isinstance(future, Future), future  # the writer stages at once: no AsyncSaveResponse
         if mode == "lazy":
             assert writer.wait_staged(timeout=120), "lazy staging did not complete"
         with torch.no_grad():
@@ -228,7 +237,7 @@ def scenario_fsdp(ctx: Ctx) -> None:
 
     fresh, fresh_opt = build(ctx, 1)  # other weights, no optimizer state yet
     msd, osd = get_state_dict(fresh, fresh_opt)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "fsdp"))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     after = train(ctx, fresh, fresh_opt, range(cut, total))
@@ -301,7 +310,7 @@ def scenario_memory(ctx: Ctx) -> None:
     """A state of a few hundred MiB per rank, saved and loaded (into a destination already in
     memory): the host's RSS grows by at most the staging buffers + 64 MiB."""
     mib = 1 << 20
-    options = {"buffer_size": 16 * mib, "num_buffers": 4}
+    options: dict[str, Any] = {"buffer_size": 16 * mib, "num_buffers": 4}
     staging = options["buffer_size"] * options["num_buffers"]
     g = torch.Generator(device=ctx.device).manual_seed(SEED + ctx.rank)
     shapes = [(4096, 4096)] * 4 + [(4096, 4097), (33, 4099)]  # ~320 MiB per rank in fp32 shards

@@ -9,6 +9,7 @@ import io
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,8 +94,8 @@ def test_two_ranks_load_in_one_process(resharded: Path) -> None:
 
 def test_own_shards_as_one_sharded_state(resharded: Path) -> None:
     """Each rank's own tensors wrapped by as_sharded: one global tensor, the ranks' stacked."""
-    want = {"a": torch.cat([rank_local(r)["a"] for r in range(2)]), "b": [torch.cat([rank_local(r)["b"][0]
-                                                                                    for r in range(2)])]}
+    want: dict[str, Any] = {"a": torch.cat([rank_local(r)["a"] for r in range(2)]),
+                            "b": [torch.cat([rank_local(r)["b"][0] for r in range(2)])]}
     got = load_1({"a": poisoned_like(want["a"]), "b": [poisoned_like(want["b"][0])]}, resharded / "own-shards")
     assert same_bits(got["a"], want["a"])
     assert same_bits(got["b"][0], want["b"][0])

@@ -32,7 +32,7 @@ import ckptstream.dcp
 from ckptstream.dcp import StreamReader, StreamWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-SMALL = {"buffer_size": 4096, "num_buffers": 2}  # chunks that cut tensors, and elements, in two
+SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2}  # chunks that cut tensors, and elements, in two
 
 
 def edge_state() -> dict[str, Any]:

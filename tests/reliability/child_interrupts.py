@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypedDict, TypeVar
 
 import torch
 
@@ -26,11 +28,19 @@ import ckptstream
 from ckptstream import _fileio
 from ckptstream._engine.buffers import POOL
 
-SMALL = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
+SMALL: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def slowed(fn):  # type: ignore[no-untyped-def]
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+class Counts(TypedDict):
+    interrupted: int
+    completed: int
+    failures: list[str]
+
+
+def slowed(fn: Callable[P, R]) -> Callable[P, R]:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         time.sleep(0.001)  # each chunk takes a millisecond: the interrupts land mid-transfer
         return fn(*args, **kwargs)
     return wrapper
@@ -85,13 +95,13 @@ def snapshot(directory: str) -> dict[str, object]:
 def main() -> int:
     directory, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
-    _fileio.pwrite_all = slowed(_fileio.pwrite_all)  # type: ignore[assignment]
-    _fileio.pread_into = slowed(_fileio.pread_into)  # type: ignore[assignment]
+    _fileio.pwrite_all = slowed(_fileio.pwrite_all)
+    _fileio.pread_into = slowed(_fileio.pread_into)
     state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
     path = os.path.join(directory, "ckpt.safetensors")
     ckptstream.save(state, path, **SMALL)
     baseline = file_fds()
-    counts = {"interrupted": 0, "completed": 0, "failures": []}
+    counts: Counts = {"interrupted": 0, "completed": 0, "failures": []}
     for r in range(rounds):
         op = "save" if r % 2 == 0 else "load"
         thread = signaller(rng.choice((2, 3)), rng, window=0.03)
@@ -126,7 +136,7 @@ def main() -> int:
             ckptstream.verify(path)
         except Exception as e:  # any failure is the finding
             problems.append(f"{op}: the checkpoint is no longer complete: {e}")
-        counts["failures"] += problems  # type: ignore[operator]
+        counts["failures"] += problems
     print(json.dumps(counts))
     return 1 if counts["failures"] else 0
 

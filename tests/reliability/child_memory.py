@@ -12,12 +12,13 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
 import ckptstream
 
-SETTINGS = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}  # 16 MiB of staging
+SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}  # 16 MiB of staging
 
 
 def rss() -> int:
@@ -75,7 +76,7 @@ def main() -> int:
     if op != "save":
         ckptstream.save(s, path, **SETTINGS)
         ckptstream.release_staging()
-    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+    target: dict[str, Any] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
     target["tied"] = target["w"]
     for t in target.values():  # pages in memory already, as a live model's are
         if isinstance(t, torch.Tensor):

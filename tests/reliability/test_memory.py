@@ -26,4 +26,5 @@ def test_peak_rss_is_the_staging_and_a_small_slack(tmp_path: Path, op: str) -> N
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     allowed = got["staging"] + SLACK + (got["state"] if op == "load" else 0)
     assert got["staging"] <= 16 * MiB
-    assert got["growth"] <= allowed, f"{op}: peak RSS grew {got['growth'] / MiB:.1f} MiB, allowed {allowed / MiB:.1f} MiB"
+    assert got["growth"] <= allowed, (f"{op}: peak RSS grew {got['growth'] / MiB:.1f} MiB, "
+                                      f"allowed {allowed / MiB:.1f} MiB")

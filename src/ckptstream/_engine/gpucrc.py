@@ -125,8 +125,8 @@ def crcs(tensors: list[torch.Tensor]) -> list[int]:
     lengths = [t.numel() for t in tensors]
     firsts = list(itertools.accumulate((-(-n // BLOCK) for n in lengths), initial=0))
     with torch.cuda.device(device):
-        table = torch.tensor([[t.data_ptr(), n, first] for t, n, first in zip(tensors, lengths, firsts[:-1], strict=True)],
-                             dtype=torch.int64).to(device)
+        rows = [[t.data_ptr(), n, first] for t, n, first in zip(tensors, lengths, firsts[:-1], strict=True)]
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
         out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
         kernel(grid=(firsts[-1], 1, 1), block=(LANES, 1, 1), args=[table, len(tensors), consts, out])
         return [finish(r, n) for r, n in zip(out.tolist(), lengths, strict=True)]

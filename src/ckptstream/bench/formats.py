@@ -26,6 +26,7 @@ def table(headers: list[str], lines: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
 
     return [fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(line) for line in lines]

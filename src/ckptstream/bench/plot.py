@@ -17,7 +17,8 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise BenchError(f"--plot needs matplotlib, which is not installed ({e}); pip install 'ckptstream[bench]'") from e
+        raise BenchError(f"--plot needs matplotlib, which is not installed ({e}); "
+                         "pip install 'ckptstream[bench]'") from e
     return plt
 
 
@@ -65,7 +66,8 @@ def plot_sweep(report: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
     ax.set_ylabel("GB/s")
     ax.set_yscale("log")  # write, cold and hot rates differ by 10-20x on a GPU machine
-    ax.set_title(f"staging sweep: one {report['sweep']['bytes'] / 2**30:.2f} GiB tensor on {report['device']}", fontsize=9)
+    ax.set_title(f"staging sweep: one {report['sweep']['bytes'] / 2**30:.2f} GiB tensor on {report['device']}",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

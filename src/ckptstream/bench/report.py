@@ -150,7 +150,8 @@ def targets(rows: list[dict[str, Any]], ranks: int, kind: str, device: str) -> l
         out += [(f"save speedup over {p}", ups.get(p, {}).get("save"), need)
                 for p, need in (("torch", 3.0), ("safetensors", 3.5), ("dcp", 3.5))]
         out += [("cold load / read ceiling", ours["cold_vs_ceiling"], 0.9)]
-        out += [(f"cold load speedup over {p}", ups.get(p, {}).get("cold"), 1.0) for p in ("torch", "safetensors", "dcp")]
+        out += [(f"cold load speedup over {p}", ups.get(p, {}).get("cold"), 1.0)
+                for p in ("torch", "safetensors", "dcp")]
         out += [("hot load / hot read ceiling", ours["hot_vs_ceiling"], 0.6)]
         out += [("share of hot load speed that verifying costs", verify_cost(rows), -0.10)]
     # a negative bound is an upper bound (RSS must stay below it)

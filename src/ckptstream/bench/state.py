@@ -55,7 +55,8 @@ class StateSpec:
             return f"{self.tensors} x {self.tensor_kib} KiB fp32 tensors"
         d, layers, vocab = gpt_dims(self.size_bytes)
         count = 4 * (4 + 12 * layers)
-        return f"GPT-like state (d_model {d}, {layers} layers, vocab {vocab}), {self.nbytes() / GiB:.2f} GiB in {count} tensors"
+        return (f"GPT-like state (d_model {d}, {layers} layers, vocab {vocab}), "
+                f"{self.nbytes() / GiB:.2f} GiB in {count} tensors")
 
 
 def gpt_dims(size_bytes: int) -> tuple[int, int, int]:
@@ -158,6 +159,7 @@ def assert_same(expected: State, got: Any, what: str) -> None:
     for name, t in want.items():
         other = have[name]
         if other.dtype != t.dtype or other.shape != t.shape:
-            raise AssertionError(f"{what}: {name} is {other.dtype}{tuple(other.shape)}, saved {t.dtype}{tuple(t.shape)}")
+            raise AssertionError(f"{what}: {name} is {other.dtype}{tuple(other.shape)}, "
+                                 f"saved {t.dtype}{tuple(t.shape)}")
         if not torch.equal(other.to(t.device), t):
             raise AssertionError(f"{what}: the data of {name} differs from what was saved")

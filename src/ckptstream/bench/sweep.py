@@ -34,7 +34,8 @@ def staging_configurations(axes: dict[str, Any]) -> list[dict[str, Any]]:
             for b, n, t, d in combos if t <= n]
 
 
-def _measure(cfg: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, path: str, job: Job, group: Group) -> dict[str, Any]:
+def _measure(cfg: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, path: str, job: Job,
+             group: Group) -> dict[str, Any]:
     """GB/s of write, cold read and hot read with the staging settings ``cfg`` (median of runs)."""
     calls = {"buffer_size": cfg["buffer_size"], "num_buffers": cfg["num_buffers"]}
     runs: dict[str, list[float]] = {"write": [], "cold": [], "hot": []}
@@ -92,7 +93,9 @@ def render_sweep(result: dict[str, Any], ceiling: dict[str, Any], device: str, c
 
     lines = [[f"{c['buffer_size'] // MiB}", str(c["num_buffers"]), str(c["io_threads"]),
               "direct" if c["read_direct_io"] else "buffered",
-              f"{c['write']:.2f}", rel(c["write"], w), f"{c['cold']:.2f}", rel(c["cold"], r), f"{c['hot']:.2f}", rel(c["hot"], h)]
+              f"{c['write']:.2f}", rel(c["write"], w),
+              f"{c['cold']:.2f}", rel(c["cold"], r),
+              f"{c['hot']:.2f}", rel(c["hot"], h)]
              for c in result["rows"]]
     head = [f"sweep: one {format_bytes(result['bytes'])} tensor on {device}; loads {cold}; ceilings: write "
             f"{w or 0:.2f}, read {r or 0:.2f}, hot {h or 0:.2f} GB/s"]
@@ -100,5 +103,6 @@ def render_sweep(result: dict[str, Any], ceiling: dict[str, Any], device: str, c
                   "hot GB/s", "/hot"], lines)
     best = [f"best {k}: {staging_summary(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
     defaults = ckptstream.current_settings()
-    best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, {defaults.io_threads} I/O threads")
+    best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, "
+                f"{defaults.io_threads} I/O threads")
     return "\n".join(head + rows + [""] + best)

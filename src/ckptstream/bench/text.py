@@ -37,8 +37,9 @@ def _header(report: dict[str, Any]) -> list[str]:
     if staging:
         out.append(f"ckptstream settings: {staging['num_buffers']} x {format_bytes(staging['buffer_size'])} staging, "
                    f"{staging['io_threads']} I/O threads")
-    parts = [f"{name} {short_number(ceil[k]['gbps'])} GB/s ({ceil[k]['threads']} thr)" for k, name in
-             (("write", "write O_DIRECT+fsync"), ("read", "cold read O_DIRECT"), ("hot", "hot read page cache")) if k in ceil]
+    kinds = (("write", "write O_DIRECT+fsync"), ("read", "cold read O_DIRECT"), ("hot", "hot read page cache"))
+    parts = [f"{name} {short_number(ceil[k]['gbps'])} GB/s ({ceil[k]['threads']} thr)"
+             for k, name in kinds if k in ceil]
     if ceil.get("copy"):
         parts.append("pinned D2H {d2h:.1f} / H2D {h2d:.1f} GB/s".format(**ceil["copy"]))
     agg = "aggregate " if ranks > 1 else ""
@@ -55,7 +56,8 @@ def _rows(report: dict[str, Any]) -> list[str]:
     small = report["state"]["kind"] == "small"  # rates of tiny tensors say little: show times too
     headers = ["system", "save GB/s", "/write", f"{cold} load GB/s", "/read"]
     if multi:
-        headers += ["slowest save s", "slowest load s", "RSS/proc save", "RSS/proc load", "RSS total save", "RSS total load"]
+        headers += ["slowest save s", "slowest load s", "RSS/proc save", "RSS/proc load",
+                    "RSS total save", "RSS total load"]
     else:
         headers += ["hot load GB/s", "/hot", "peak RSS save", "peak RSS load", "staging"]
         headers += ["save s", f"{cold} load s", "hot load s"] if small else []
@@ -64,7 +66,8 @@ def _rows(report: dict[str, Any]) -> list[str]:
         save, cold_fig, hot = row["save"], row["cold"], row["hot"]
         line = [row["label"], _gbps(save), _x(row["save_vs_ceiling"]), _gbps(cold_fig), _x(row["cold_vs_ceiling"])]
         if multi:
-            line += [_secs(save), _secs(cold_fig), _rss([save], "rss_per_process"), _rss([cold_fig, hot], "rss_per_process"),
+            line += [_secs(save), _secs(cold_fig),
+                     _rss([save], "rss_per_process"), _rss([cold_fig, hot], "rss_per_process"),
                      _rss([save], "rss_total"), _rss([cold_fig, hot], "rss_total")]
         else:
             staging = max(f["staging"] for f in (save, cold_fig, hot) if f)
@@ -81,7 +84,8 @@ def _speedups(report: dict[str, Any]) -> list[str]:
         return []
     phases = ("save", "cold") if report["state"]["ranks"] > 1 else ("save", "cold", "hot")
     names = {"save": "save", "cold": f"{report['cold']['label']} load", "hot": "hot load"}
-    ups = [[f"vs {label}"] + [f"{r[p]:.2f}x" if r[p] else "-" for p in phases] for label, r in report["speedups"].items()]
+    ups = [[f"vs {label}"] + [f"{r[p]:.2f}x" if r[p] else "-" for p in phases]
+           for label, r in report["speedups"].items()]
     return ["", *table([f"{ours['label']} speedup"] + [names[p] for p in phases], ups)]
 
 

@@ -134,7 +134,8 @@ def _staging_in_force() -> dict[str, int]:
     return {"buffer_size": current.buffer_size, "num_buffers": current.num_buffers, "io_threads": current.io_threads}
 
 
-def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | None, cold: Cold, temp: str) -> dict[str, Any]:
+def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | None, cold: Cold,
+          temp: str) -> dict[str, Any]:
     """One timed load of variant ``v``, checked against the saved state."""
     target = empty_like_state(state, group.device, resident=True) if v.in_place else state
 
