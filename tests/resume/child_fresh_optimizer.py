@@ -77,7 +77,8 @@ def main(what: str, directory: str, device: str, width: int) -> None:
     want = torch.load(os.path.join(directory, "after4.pt"), map_location=device)
     have = {"model": model.state_dict(), "optim": opt.state_dict()}
     same = all(torch.equal(have["model"][k], v) for k, v in want["model"].items()) and all(
-        torch.equal(have["optim"]["state"][p][k], v) for p, s in want["optim"]["state"].items() for k, v in s.items())
+        torch.equal(have["optim"]["state"][p][k].cpu(), v.cpu())  # Adam's step stays on the CPU
+        for p, s in want["optim"]["state"].items() for k, v in s.items())
     moment_bytes = sum(t.numel() * t.element_size() for s in loaded["optim"]["state"].values() for t in s.values())
     print(json.dumps({"same": same, "exp_avg_device": str(moments["exp_avg"].device),
                       "step_device": str(moments["step"].device), "moment_bytes": moment_bytes,

@@ -45,13 +45,18 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``ckptstream bench`` (see docs/benchmarks.md)."""
     add = parser.add_argument
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the state lives (auto: cuda when present)")
-    add("--size-gib", type=float, help=f"GPT-like state per process (default {DEFAULT_SIZE_GIB}; --quick {QUICK_SIZE_GIB * 1024:g} MiB; --sweep {SWEEP_SIZE_GIB:g})")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the state lives (auto: cuda when present)")
+    add("--size-gib", type=float,
+        help=f"GPT-like state per process (default {DEFAULT_SIZE_GIB}; --quick {QUICK_SIZE_GIB * 1024:g} MiB; "
+             f"--sweep {SWEEP_SIZE_GIB:g})")
     add("--tensors", type=int, default=0, metavar="N", help="instead: N small fp32 tensors of --tensor-kib each")
     add("--tensor-kib", type=int, default=1, metavar="K", help="size of each of the --tensors (default 1 KiB)")
-    add("--repeat", type=int, help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep)")
+    add("--repeat", type=int,
+        help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep)")
     add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
-    add("--systems", nargs="+", metavar="NAME", help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)})")
+    add("--systems", nargs="+", metavar="NAME",
+        help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)}; with --ranks also dcp-stream)")
     add("--json", metavar="FILE", help="write every figure and the machine's description as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: pip install 'ckptstream[bench]')")
     add("--quick", action="store_true", help="tiny state, one run, one thread count: seconds, for CI")
@@ -60,9 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cold", choices=[c.value for c in Cold], default="auto",
         help="how loads are made cold (auto: drop_caches as root, else fadvise; none: warm loads)")
     add("--threads", type=_ints, help="thread counts of the raw disk ceilings (default 1,4,8; 1,4 below 8 cores)")
-    add("--hot-threads", type=_ints, help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
+    add("--hot-threads", type=_ints,
+        help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
     add("--seed", type=int, default=0, help="seed of the random state")
-    staging = parser.add_argument_group("ckptstream's settings in this run (default: the library's, or CKPTSTREAM_* variables)")
+    staging = parser.add_argument_group(
+        "ckptstream's settings in this run (default: the library's, or CKPTSTREAM_* variables)")
     staging.add_argument("--buffer-mib", type=_positive, metavar="M", help="MiB per staging buffer (buffer_size)")
     staging.add_argument("--num-buffers", type=_positive, metavar="N", help="staging buffers (num_buffers)")
     staging.add_argument("--io-threads", type=_positive, metavar="T", help="I/O threads (io_threads)")
@@ -75,10 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="of sync, device, lazy, host, torch.save+thread, dcp.async_save, "
                                "dcp.async_save+pinned (default: all)")
     sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
-    sweep.add_argument("--sweep", action="store_true", help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
-    sweep.add_argument("--sweep-buffer-mib", type=_ints, default=[4, 8, 16, 32, 64], help="buffer sizes in MiB (default 4,8,16,32,64)")
+    sweep.add_argument("--sweep", action="store_true",
+                       help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
+    sweep.add_argument("--sweep-buffer-mib", type=_ints, default=[4, 8, 16, 32, 64],
+                       help="buffer sizes in MiB (default 4,8,16,32,64)")
     sweep.add_argument("--sweep-num-buffers", type=_ints, default=[2, 4, 8], help="buffer counts (default 2,4,8)")
-    sweep.add_argument("--sweep-io-threads", type=_ints, default=[1, 2, 4, 8], help="I/O threads, up to the buffer count (default 1,2,4,8)")
+    sweep.add_argument("--sweep-io-threads", type=_ints, default=[1, 2, 4, 8],
+                       help="I/O threads, up to the buffer count (default 1,2,4,8)")
     sweep.add_argument("--sweep-direct-io", choices=("auto", "on", "both"), default="auto",
                        help="loads with buffered reads (auto, the default), O_DIRECT reads (on), or both")
 

@@ -143,7 +143,8 @@ def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str,
     spec = opts.spec
     return {
         "kind": kind, "device": opts.device, "repeat": opts.repeat, "cold": cold.value,
-        "spec": {"size_bytes": spec.size_bytes, "tensors": spec.tensors, "tensor_kib": spec.tensor_kib, "seed": spec.seed},
+        "spec": {"size_bytes": spec.size_bytes, "tensors": spec.tensors, "tensor_kib": spec.tensor_kib,
+                 "seed": spec.seed},
         "dir": os.path.join(work, kind), "threads": list(opts.threads),
         "hot_threads": [] if opts.ranks > 1 else list(opts.hot_threads),
         "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "sweep_axes": opts.sweep_axes, "staging": opts.staging,
@@ -172,7 +173,8 @@ def run_all(opts: Options) -> dict[str, Any]:
     for note in notes:
         progress(note)
     if machine.mount_of(opts.dir)["fs_type"] in ("tmpfs", "ramfs"):
-        notes.append(f"{opts.dir} is in memory ({machine.mount_of(opts.dir)['fs_type']}): the 'disk' figures measure RAM")
+        fs_type = machine.mount_of(opts.dir)["fs_type"]
+        notes.append(f"{opts.dir} is in memory ({fs_type}): the 'disk' figures measure RAM")
     raw: dict[str, Any] = {"cold_method": cold.value, "notes": notes, "systems": {}, "failed": {}}
     who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
     progress(f"{who}{opts.spec.summary()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
