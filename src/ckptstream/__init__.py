@@ -1,8 +1,7 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
 from ._async import CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
-from ._capture import release_staging
-from ._engine import staging_bytes
+from ._engine import release_staging, staging_bytes
 from ._errors import (
     CkptStreamError,
     CorruptCheckpointError,

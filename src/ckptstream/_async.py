@@ -260,7 +260,6 @@ def _register_exit_hook() -> None:
 
 def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, then: Completion | None) -> None:
     error: BaseException | None = None
-    captured = None
     try:
         plan, captured = job
         job.clear()  # from here on the snapshot lives only in these locals
@@ -271,8 +270,6 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         error = e
         traceback.clear_frames(e.__traceback__)  # a kept error must not keep the snapshot alive
     finally:
-        if captured is not None:
-            captured.release()
         plan = captured = None  # the snapshot's memory goes back before the completion runs
         handle._mark_staged()
     if then is not None:

@@ -18,13 +18,11 @@ says when the caller may change the state again:
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import torch
 
 from ._engine import Mark, mark
-from ._engine import release_staging as _release_staging_buffers
 from ._header import empty_tensor
 
 MODES = ("device", "lazy", "host")
@@ -47,55 +45,6 @@ class Captured:
     ready: list[Any] = dataclasses.field(default_factory=list)  # events to wait for before streaming
     staged: bool = True  # the caller may change the state at once
     fallback: str = ""  # why "device" became "lazy"
-    pinned: list[torch.Tensor] = dataclasses.field(default_factory=list)  # host mode's, back to the pool after
-
-    def release(self) -> None:
-        """The save is over: pinned host copies go back to the pool for the next save."""
-        PINNED.give_back(self.pinned)
-        self.pinned = []
-        self.tensors = []
-
-
-class PinnedPool:
-    """Page-locked host tensors of host-mode saves, kept for the next save of the same shapes:
-    pinning gigabytes takes seconds, which would stall every save (``release_staging()`` frees
-    them with the staging buffers)."""
-
-    def __init__(self) -> None:
-        self._idle: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with self._lock:
-            idle = self._idle.get((shape, dtype))
-            if idle:
-                return idle.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-    def give_back(self, tensors: list[torch.Tensor]) -> None:
-        """Keep ``tensors`` (the last save's) for the next save; older ones are freed, so the pool
-        never holds more than one state's copy."""
-        idle: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            idle.setdefault((tuple(t.shape), t.dtype), []).append(t)
-        with self._lock:
-            if tensors:
-                self._idle = idle
-
-    def clear(self) -> int:
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        return sum(_nbytes(t) for ts in idle.values() for t in ts)
-
-
-PINNED = PinnedPool()
-
-
-def release_staging() -> int:
-    """Free the idle staging buffers, and the pinned host copies that host-mode saves keep for the
-    next save; returns the bytes freed. Buffers of transfers still running stay with them. The
-    next transfer allocates anew."""
-    return _release_staging_buffers() + PINNED.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -103,10 +52,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _copy(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """A contiguous copy of ``t`` on ``device`` (a pinned host tensor from the pool with ``pin``),
-    queued on the current stream of ``t``'s device when either side is a GPU."""
-    shape = tuple(t.shape)
-    out = PINNED.take(shape, t.dtype) if pin and t.numel() else empty_tensor(shape, t.dtype, device)
+    """A contiguous copy of ``t`` on ``device`` (a pinned host tensor with ``pin``), queued on the
+    current stream of ``t``'s device when either side is a GPU."""
+    if pin and t.numel():
+        out = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
+    else:
+        out = empty_tensor(tuple(t.shape), t.dtype, device)
     if t.numel():
         out.copy_(t, non_blocking=pin or out.is_cuda)
     return out
@@ -174,5 +125,4 @@ def _host(tensors: list[torch.Tensor]) -> Captured:
         event = torch.cuda.Event(blocking=True)  # it sleeps on it instead of spinning a core
         event.record(torch.cuda.current_stream(device))
         ready.append(event)
-    pinned = [c for c, t in zip(copies, tensors, strict=True) if pin and t.is_cuda and t.numel()]
-    return Captured(copies, "host", ready=ready, pinned=pinned)
+    return Captured(copies, "host", ready=ready)

@@ -77,10 +77,9 @@ class ReadEngine(Engine):
         begin, end = min(p.offset for p in moved), max(p.end for p in moved)
         if end - begin < HOT_FROM or (_fileio.resident_fraction(file.fd, begin, end - begin) or 0) < HOT_SHARE:
             return cfg
-        # two buffers a thread: each reads its next chunk while the device copies its last one
-        buffers = max(2 * threads, cfg.num_buffers)
-        size = max(ALIGN, cfg.buffer_size * cfg.num_buffers // buffers // ALIGN * ALIGN)
-        return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=buffers)
+        staging = cfg.buffer_size * cfg.num_buffers
+        size = max(ALIGN, staging // max(threads, cfg.num_buffers) // ALIGN * ALIGN)
+        return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=max(threads, cfg.num_buffers))
 
     def _has_ordered(self, chunk: Chunk) -> bool:
         """Whether the chunk holds parts of non-contiguous tensors."""
