@@ -35,7 +35,7 @@ from ._capture import BY_VALUE_BYTES, MODES, SnapshotFallbackWarning, capture
 from ._errors import CkptStreamError
 from ._publish import check_target
 from ._save import plan_checkpoint, write_checkpoint
-from ._settings import INHERIT, Settings, resolve
+from ._settings import INHERIT, Settings, call_settings
 
 __all__ = ["BY_VALUE_BYTES", "MODES", "CheckpointNotSavedError", "SaveHandle", "SnapshotFallbackWarning",
            "begin", "in_flight", "save_async", "say"]
@@ -367,6 +367,6 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device"
         >>> loss = model(batch).backward()                              # training goes on
         >>> handle.result()                                             # durable now
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     return begin(state, path, mode=mode, metadata=metadata, checksum=checksum, progress=progress,
                  max_in_flight=max_in_flight, cfg=cfg)

@@ -8,7 +8,7 @@ import warnings
 from typing import Any
 
 from ._reader import CheckpointReader, Device
-from ._settings import INHERIT, resolve
+from ._settings import INHERIT, call_settings
 
 
 def open(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
@@ -39,7 +39,7 @@ def open(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffer
         ...     wte = ckpt.read("model.wte.weight", device="cuda")
         ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     return CheckpointReader(path, cfg)
 
 

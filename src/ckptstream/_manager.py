@@ -17,7 +17,7 @@ from ._load import load as load_file
 from ._load_into import load_into as load_into_file
 from ._ranks import FileRanks, GroupRanks, IncompleteCheckpointError, Ranks
 from ._reader import Device
-from ._settings import INHERIT, resolve
+from ._settings import INHERIT, call_settings
 
 __all__ = ["CheckpointManager", "IncompleteCheckpointError"]
 
@@ -90,7 +90,7 @@ class CheckpointManager:
         self.keep, self.mode, self.max_in_flight, self.checksum = keep, mode, max_in_flight, checksum
         self._io = {"buffer_size": buffer_size, "num_buffers": num_buffers, "io_threads": io_threads,
                     "direct_io": direct_io}
-        resolve(**self._io)  # bad settings raise now, not at the first save
+        call_settings(**self._io)  # bad settings raise now, not at the first save
         os.makedirs(self.directory, exist_ok=True)
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
@@ -163,7 +163,7 @@ class CheckpointManager:
         then = functools.partial(self._complete, step, previous)
         try:
             handle = begin(state, path, mode=self.mode, metadata=metadata, checksum=self.checksum, progress=False,
-                           max_in_flight=self.max_in_flight, cfg=resolve(**self._io), step=step, then=then)
+                           max_in_flight=self.max_in_flight, cfg=call_settings(**self._io), step=step, then=then)
         except BaseException as e:
             if self._ranks.collective:  # the other ranks wait for this one's outcome: send it
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,

@@ -127,7 +127,7 @@ def open_dir(directory: str) -> int:
         raise _fileio.os_error(e, "opening the directory to fsync it", directory) from e
 
 
-def _resolve(path: str | os.PathLike[str]) -> tuple[str, os.stat_result | None]:
+def _target_of(path: str | os.PathLike[str]) -> tuple[str, os.stat_result | None]:
     """The file to replace (through symbolic links) and its status (None: a new file)."""
     given = os.path.abspath(os.fsdecode(path))
     target = os.path.realpath(given)
@@ -153,7 +153,7 @@ def _resolve(path: str | os.PathLike[str]) -> tuple[str, os.stat_result | None]:
 def check_target(path: str | os.PathLike[str]) -> str:
     """The absolute path of the file to publish (a symbolic link's target); raises before
     anything is written when it cannot be: a directory, a FIFO or device, a missing directory."""
-    return _resolve(path)[0]
+    return _target_of(path)[0]
 
 
 def _keep_owner_and_mode(fd: int, old: os.stat_result) -> None:
@@ -189,7 +189,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[OpenFile]:
     fsynced. When the block fails the temp is removed and the old file is untouched. (When the
     directory's fsync fails, the rename has happened: the new file is in place, complete, and
     the error says that a crash could still undo the rename.)"""
-    target, old = _resolve(path)
+    target, old = _target_of(path)
     directory = os.path.dirname(target)
     remove_stale_temps(target)
     dir_fd = open_dir(directory)  # before any byte is written: the last step needs it

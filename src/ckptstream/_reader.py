@@ -264,7 +264,7 @@ class CheckpointReader:
         for i, e in whole:
             if crcs[i] != e.checksum:
                 raise CorruptCheckpointError(
-                    f"{self.path}: {self._describe(e.stored_as)} fails its CRC-32C check (stored {e.checksum:08x}, "
+                    f"{self.path}: {self._keys_of(e.stored_as)} fails its CRC-32C check (stored {e.checksum:08x}, "
                     f"computed {crcs[i]:08x}): its data is corrupt; restore it from another checkpoint or copy")
         return outs
 
@@ -325,10 +325,10 @@ class CheckpointReader:
         for (name, crc), computed in zip(stored, got, strict=False):  # got is empty without checksums
             if crc != computed:
                 raise CorruptCheckpointError(
-                    f"{self.path}: {self._describe(name)} fails its CRC-32C check (stored {crc:08x}, computed "
+                    f"{self.path}: {self._keys_of(name)} fails its CRC-32C check (stored {crc:08x}, computed "
                     f"{computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
 
-    def _describe(self, stored_as: str) -> str:
+    def _keys_of(self, stored_as: str) -> str:
         """The user-facing keys of a stored tensor, for messages."""
         keys = [e.key for e in self._entries.values() if e.stored_as == stored_as]
         return f"tensor {keys[0]!r}" if len(keys) == 1 else f"the shared data of tensors {keys[:5]}"

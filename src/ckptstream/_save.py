@@ -22,7 +22,7 @@ from ._errors import UnsupportedTypeError
 from ._header import TensorInfo
 from ._progress import progress_bar
 from ._publish import atomic_file
-from ._settings import INHERIT, Settings, resolve
+from ._settings import INHERIT, Settings, call_settings
 from ._structure import flatten
 
 
@@ -108,5 +108,5 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     Example:
         >>> ckptstream.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}, "ckpt.safetensors")
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     write_checkpoint(plan_checkpoint(state, metadata, checksum), path, cfg, progress=progress)

@@ -148,7 +148,7 @@ def settings(**overrides: Any) -> Iterator[Settings]:
         _current.reset(token)
 
 
-def resolve(*, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
+def call_settings(*, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
             direct_io: Any = INHERIT) -> Settings:
     """Settings for one call: those in force, with the call's arguments that are not INHERIT
     (None too, as 0.1.0 spelled "inherit")."""

@@ -8,7 +8,7 @@ import torch
 
 from . import _fileio
 from ._engine import Piece, ReadEngine, WriteEngine, check_stream, check_tensor
-from ._settings import INHERIT, resolve
+from ._settings import INHERIT, call_settings
 
 
 def device_to_file(src: torch.Tensor, file: _fileio.FileLike, *, offset: int | None = None,
@@ -39,7 +39,7 @@ def device_to_file(src: torch.Tensor, file: _fileio.FileLike, *, offset: int | N
         ...     ckptstream.device_to_file(m, f)
         ...     ckptstream.device_to_file(v, f)
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     check_tensor(src, "src")
     check_stream(stream)  # every argument is checked before the file is opened (and truncated)
     with _fileio.opened(file, offset, writing=True) as (handle, start):
@@ -77,7 +77,7 @@ def file_to_device(file: _fileio.FileLike, dst: torch.Tensor, *, offset: int | N
     Example:
         >>> ckptstream.file_to_device("weights.bin", torch.empty(n, device="cuda"))
     """
-    cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     check_tensor(dst, "dst", writable=True)
     check_stream(stream)
     with _fileio.opened(file, offset, writing=False) as (handle, start):

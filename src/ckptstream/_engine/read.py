@@ -57,7 +57,7 @@ class ReadEngine(Engine):
         super().__init__(*args, **kwargs)
         self._pending: dict[int, list[Any]] = {}  # per staging buffer: the events of its copies
         self._carries: dict[int, torch.Tensor] = {}  # per non-contiguous piece
-        self._turns = _Turns([c.index for c in self.chunks if self._has_ordered(c)], self.failure)
+        self._carry_order = _CarryOrder([c.index for c in self.chunks if self._has_ordered(c)], self.failure)
         # pieces checksummed on their device once loaded, not from the staging buffers
         self.on_device = [self.checksum and flat is not None and self.streams.checksums_on_device(flat[p.lo : p.hi])
                           for p, flat in zip(self.pieces, self.flat, strict=True)]
@@ -95,9 +95,9 @@ class ReadEngine(Engine):
             event.synchronize()  # the buffer's previous copies are done: it may be refilled
         self._read(chunk, buf)
         events = self._copy_parts(chunk, buf, ordered=False)
-        if self._turns.wait(chunk.index):
+        if self._carry_order.wait(chunk.index):
             events += self._copy_parts(chunk, buf, ordered=True)
-            self._turns.done()
+            self._carry_order.done()
         self._pending[id(buf)] = events
         if self.checksum:  # while the device copies
             self.host_crcs(chunk, buf, self.on_device)
@@ -205,7 +205,7 @@ def _host_runs(chunk: Chunk, host: list[memoryview | None]) -> bool:
     return True
 
 
-class _Turns:
+class _CarryOrder:
     """File order for the copies into non-contiguous tensors, across the I/O threads.
 
     Threads claim chunks in file order, so the thread whose turn it is never waits for a later

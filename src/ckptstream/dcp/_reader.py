@@ -26,7 +26,7 @@ from torch.futures import Future
 from .._engine.layout import host_bytes
 from .._errors import CorruptCheckpointError
 from .._reader import CheckpointReader, TensorEntry
-from .._settings import INHERIT, resolve
+from .._settings import INHERIT, call_settings
 from . import _metadata
 from ._metadata import StoredChunk
 
@@ -60,7 +60,7 @@ class StreamReader(StorageReader):
         self.path = os.fspath(path)
         self.checksum = checksum
         self.trust_metadata = trust_metadata
-        self.cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+        self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
                            direct_io=direct_io)
         self.storage_data: dict[Any, StoredChunk] = {}
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._engine import Mark, mark
-from .._settings import INHERIT, resolve
+from .._settings import INHERIT, call_settings
 from . import _metadata, _rankfile, _staging
 from ._staging import Staging
 
@@ -63,7 +63,7 @@ class StreamWriter(StorageWriter, AsyncStager):
         self.path = os.fspath(path)
         self.staging = Staging.parse(staging)
         self.checksum = checksum
-        self.cfg = resolve(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+        self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
                            direct_io=direct_io)
         self.is_coordinator = False
         self.rank: int | None = None
