@@ -13,7 +13,7 @@ from torch import nn
 
 import ckptstream
 from ckptstream._header import DTYPE_NAMES
-from helpers import WRITABLE_EDGE_CASES, assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
+from helpers import WRITABLE_EDGE_CASES, as_bytes, assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
@@ -134,12 +134,26 @@ def test_shared_tensors_in_the_file_into_separate_targets(device: torch.device, 
     for k, v in state.items():
         assert_bytes_equal(separate[k], v)
 
+    # a flat state stores overlapping views apart (each key a tensor name): targets that overlap
+    # are refused before a byte is written, but the same tensor twice (tied weights) is fine
     w2, base2 = poisoned_like(w).to(device), poisoned_like(base).to(device)
     shared = {"emb": w2, "head": w2, "whole": base2, "half": base2[:50], "t": base2.view(10, 10).t()}
-    out = ckptstream.load_into(shared, path)
+    with pytest.raises(ckptstream.StateMismatchError, match="whole and half overlap in memory"):
+        ckptstream.load_into(shared, path)
+    assert as_bytes(base2) == as_bytes(poisoned_like(base))
+    tied = {k: v for k, v in shared.items() if k in ("emb", "head")} | {k: separate[k] for k in ("whole", "half", "t")}
+    out = ckptstream.load_into(tied, path)
     assert out["emb"] is out["head"] is w2
+    assert_bytes_equal(w2, w)
+
+    # a nested state stores them as views of one blob: overlapping targets are filled consistently
+    nested_path = tmp_path / "nested.safetensors"
+    ckptstream.save({"m": state}, nested_path)
+    base3 = poisoned_like(base).to(device)
+    nested = {"emb": w2, "head": w2, "whole": base3, "half": base3[:50], "t": base3.view(10, 10).t()}
+    ckptstream.load_into({"m": nested}, nested_path)
     for k, v in state.items():
-        assert_bytes_equal(shared[k], v)
+        assert_bytes_equal(nested[k], v)
 
 
 def test_tied_module_weights(tmp_path: Path) -> None:
@@ -180,3 +194,35 @@ def test_without_checksums(tmp_path: Path) -> None:
     ckptstream.load_into(target, tmp_path / "ckpt.safetensors", checksum=False)
     for k, v in state.items():
         assert_bytes_equal(target[k], v)
+
+
+@pytest.mark.parametrize("bad", ["expanded", "overlapping_strides", "sparse"])
+def test_a_target_that_cannot_be_written_is_refused_before_any_byte(tmp_path: Path, bad: str) -> None:
+    """Every destination is checked first: a target the file's bytes cannot land in is named in a
+    StateMismatchError and no other target has changed (0.1.0 filled some, then failed in torch)."""
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"a": random_tensor((64, 64)), "b": random_tensor((4, 4))}, path, buffer_size=4096)
+    a = poisoned_like(random_tensor((64, 64)))
+    b = {"expanded": torch.zeros(4).expand(4, 4),
+         "overlapping_strides": torch.zeros(10).as_strided((4, 4), (1, 1)),
+         "sparse": torch.zeros(4, 4).to_sparse()}[bad]
+    refusal = ckptstream.UnsupportedTypeError if bad == "sparse" else ckptstream.StateMismatchError  # see walk
+    with pytest.raises(refusal, match=r"^b|\n  b"):
+        ckptstream.load_into({"a": a, "b": b}, path)
+    assert is_poisoned(a)
+
+
+def test_strict_load_into_takes_tied_targets_the_file_stores_once(tmp_path: Path) -> None:
+    """save_pretrained drops lm_head.weight, which is transformer.wte.weight: a strict load_into
+    of the model's state_dict (which has both keys, one tensor) is satisfied by the one stored."""
+    wte, bias = random_tensor((11, 4)), random_tensor(11)
+    path = tmp_path / "model.safetensors"
+    ckptstream.save({"transformer.wte.weight": wte, "lm_head.bias": bias}, path)
+    weight = poisoned_like(wte)
+    target = {"transformer.wte.weight": weight, "lm_head.weight": weight, "lm_head.bias": poisoned_like(bias)}
+    ckptstream.load_into(target, path)  # strict by default
+    assert_bytes_equal(target["lm_head.weight"], wte)
+    other = {"transformer.wte.weight": poisoned_like(wte), "lm_head.weight": poisoned_like(wte),
+             "lm_head.bias": poisoned_like(bias)}
+    with pytest.raises(ckptstream.StateMismatchError, match=r"missing from the file: lm_head\.weight"):
+        ckptstream.load_into(other, path)  # a separate tensor is still missing

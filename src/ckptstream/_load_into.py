@@ -9,6 +9,7 @@ temporary of that storage's size on the target's device.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import warnings
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from . import _gc
+from ._engine import check_tensor
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._header import empty_tensor
 from ._load import checksum_argument, open
@@ -24,15 +26,26 @@ from ._settings import INHERIT
 from ._structure import KeyPath, key_str, make_view, walk
 
 
+def _memory(t: torch.Tensor) -> tuple[object, ...]:
+    return t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return ((a.device, a.data_ptr(), a.dtype, a.shape, a.stride())
-            == (b.device, b.data_ptr(), b.dtype, b.shape, b.stride()))
+    return _memory(a) == _memory(b)
+
+
+def _tied(targets: dict[KeyPath, torch.Tensor], entries: dict[KeyPath, TensorEntry]) -> set[KeyPath]:
+    """Targets the file lacks that are the very memory of a target it has: tied weights saved
+    once (transformers' ``lm_head.weight`` is ``transformer.wte.weight``); filling one fills both."""
+    in_file = {_memory(t) for p, t in targets.items() if p in entries and t.numel()}
+    return {p for p, t in targets.items() if p not in entries and t.numel() and _memory(t) in in_file}
 
 
 def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], strict: bool) -> None:
     """Raise one StateMismatchError listing every problem; warn about skipped keys if not strict."""
     entries = {e.path: e for e in reader.entries()}
-    missing = [key_str(p) for p in targets if p not in entries]
+    tied = _tied(targets, entries)
+    missing = [key_str(p) for p in targets if p not in entries and p not in tied]
     unexpected = [key_str(p) for p in entries if p not in targets]
     wrong = [f"{key_str(p)}: the file has {entries[p].dtype} {list(entries[p].shape)}, the state {t.dtype} "
              f"{list(t.shape)}" for p, t in targets.items()
@@ -51,6 +64,63 @@ def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], stric
                                  missing, unexpected),
             stacklevel=3,
         )
+
+
+def _check_destinations(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor]) -> None:
+    """Raise one StateMismatchError, before a byte is written, for every target the file's bytes
+    cannot land in: one that is not a dense CPU or CUDA tensor, whose elements share memory
+    (an expanded view), or whose memory overlaps another target's (unless both are the same
+    tensor, or views the file stores over the same bytes)."""
+    entries = {e.path: e for e in reader.entries()}
+    filled = {p: t for p, t in targets.items() if p in entries}
+    problems = []
+    for p, t in filled.items():
+        try:
+            check_tensor(t, key_str(p), writable=True)
+        except (TypeError, ValueError) as e:
+            problems.append(str(e))
+            continue
+        if _self_overlapping(t):
+            problems.append(f"{key_str(p)}: its elements share memory (strides {t.stride()}), so it cannot hold "
+                            "distinct values")
+    problems += _overlaps(filled, entries)
+    if problems:
+        raise StateMismatchError(f"{reader.path}: the state has tensors the checkpoint cannot be loaded into, "
+                                 "nothing was written:\n  " + "\n  ".join(problems))
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: by its strides, each dimension (smallest
+    stride first) must step past everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def _overlaps(filled: dict[KeyPath, torch.Tensor], entries: dict[KeyPath, TensorEntry]) -> list[str]:
+    """Pairs of targets whose bytes overlap (a sweep over each storage's byte ranges)."""
+    by_storage: dict[tuple[object, int], list[tuple[int, int, KeyPath]]] = {}
+    for p, t in filled.items():
+        if t.numel() and t.layout == torch.strided:
+            start = int(t.storage_offset()) * t.element_size()
+            last = int(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+            key = (t.device, t.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append((start, start + last + t.element_size(), p))
+    problems = []
+    for ranges in by_storage.values():
+        ranges.sort(key=lambda r: r[0])
+        for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
+            if start >= end or _same_memory(filled[a], filled[b]):
+                continue
+            ea, eb = entries[a], entries[b]
+            if ea.view is not None and eb.view is not None and ea.stored_as == eb.stored_as:
+                continue  # views the file stores over the same bytes: written consistently
+            problems.append(f"{key_str(a)} and {key_str(b)} overlap in memory, but the file holds them apart: "
+                            "loading one would overwrite the other")
+    return problems
 
 
 def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tensor], blobs: dict[str, torch.Tensor]
@@ -176,6 +246,7 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             created, blobs = _created(reader, state, targets, device)
             targets.update(created)
             _match(reader, targets, strict)
+            _check_destinations(reader, targets)
             dests, copies = _destinations(reader.entries(), targets, blobs)
             # every stored tensor: those without a target are read for their checksums
             wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
