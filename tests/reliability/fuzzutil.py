@@ -1,7 +1,8 @@
 """The property every header fuzzer checks, shared by the hypothesis tests and the atheris
 harness: decoding the header, opening the reader, and loading any byte string raise nothing
 but CkptStreamError subclasses, allocate nothing sized by what the header announces, and
-return quickly."""
+return quickly (check_file); and, for files known to be invalid, that every reader rejects
+them with CorruptCheckpointError (check_rejected)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import CkptStreamError, StateMismatchWarning, _header
+from ckptstream import CkptStreamError, CorruptCheckpointError, StateMismatchWarning, _header
 
 SECONDS = 1.0
 # Python objects built from a parsed header take a bounded multiple of its bytes (a 3-byte "[]," is
@@ -58,9 +59,10 @@ def _load_into(path: str) -> None:
     ckptstream.load_into({}, path, strict=False)
 
 
-ENTRY_POINTS: list[Callable[[str], Any]] = [
-    _decode_header, _open_reader, ckptstream.read_metadata, ckptstream.verify, ckptstream.load, _load_into,
-]  # fmt: skip
+# the public readers (each parses the whole header, the structure included), and the codec alone
+READERS: list[Callable[[str], Any]] = [_open_reader, ckptstream.read_metadata, ckptstream.verify, ckptstream.load,
+                                       _load_into]  # fmt: skip
+ENTRY_POINTS: list[Callable[[str], Any]] = [_decode_header, *READERS]
 
 
 @contextmanager
@@ -101,6 +103,34 @@ def check_file(path: str) -> None:
             tracemalloc.stop()
         assert tensor_bytes[0] <= size, f"{name} allocated {tensor_bytes[0]} tensor bytes for a {size}-byte file"
         assert peak <= PY_FACTOR * size + PY_CONSTANT, f"{name} allocated {peak} bytes for a {size}-byte file"
+
+
+def check_rejected(path: str, *, in_table: bool) -> None:
+    """Every reader rejects the file with CorruptCheckpointError: none accepts it, none raises
+    anything else. ``in_table``: the fault is in the tensor table, so the header codec alone
+    rejects it too (a fault in the structure only shows once a reader parses that)."""
+    for call in ENTRY_POINTS if in_table else READERS:
+        name = getattr(call, "__name__", repr(call))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StateMismatchWarning)
+            try:
+                call(path)
+            except CorruptCheckpointError:
+                continue
+            except BaseException as e:
+                raise AssertionError(f"{name} raised {type(e).__name__}: {e}") from e
+        raise AssertionError(f"{name} accepted {path}")
+
+
+def element_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of ``t``'s elements in row-major order, as stored: copied as integers of the same
+    size (a copy as booleans or floats may change them), into a fresh tensor (``contiguous()``
+    keeps the odd strides of size-1 dimensions, which no byte view takes)."""
+    if not t.numel():
+        return b""
+    same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    dense = torch.empty(t.shape, dtype=same_size).copy_(t.detach().cpu().view(same_size))
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _call(call: Callable[[str], Any], path: str) -> None:

@@ -1,9 +1,12 @@
 """Damaged files: random bit flips in the data and in the header, and truncation at random
-lengths. Each case is a few-KiB file, so hundreds of cases take seconds.
+lengths. Each case is a file of a few to a few tens of KiB, so hundreds of cases take seconds.
 
 What each damage must do (and nothing else: no other exception, no hang):
 - a flipped data bit: load, verify and load_into raise CorruptCheckpointError naming the tensor;
-  load_into's targets then hold the file's unverified bytes or their old contents;
+  load_into's targets that the file's bytes stream into then hold those unverified bytes, and
+  those filled by a copy after the checks (views of shared bytes, the second key of a tied
+  tensor) their old contents: in a small single-chunk file, and in many chunks read by
+  several threads;
 - a flipped header bit: CorruptCheckpointError from load, verify and read_metadata;
 - a truncated file: CorruptCheckpointError before any byte reaches load_into's targets.
 """
@@ -19,11 +22,13 @@ from typing import Any
 
 import pytest
 import torch
+from fuzzutil import element_bytes
 from relutil import small_state, tensors_of
 
 import ckptstream
 from ckptstream import CorruptCheckpointError
 from ckptstream._header import Header
+from helpers import direct_io_supported
 
 CASES = 200
 POISON = 0xAB
@@ -120,7 +125,7 @@ def test_data_bit_flips_name_the_tensor(original: tuple[Any, bytes, Header], tmp
         unverified = tensors_of(ckptstream.load(case, checksum=False))
         for name, t in tensors_of(targets).items():
             if name in STORED_AS_VIEWS:
-                assert _same_bytes(t, unverified[name]) or _is_poison(t), name
+                assert _is_poison(t), name
             else:
                 assert _same_bytes(t, unverified[name]), name
 
@@ -189,3 +194,139 @@ def test_truncation_fails_before_writing_anything(original: tuple[Any, bytes, He
         _write(case, data + extra)
         with pytest.raises(CorruptCheckpointError, match="unexpected bytes"):
             ckptstream.load(case)
+
+
+# --- multi-chunk loads with tied and view targets ---------------------------------------------
+
+CHUNKY: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 3, "io_threads": 3}  # ~12 chunks, 3 readers
+# What a failed load_into leaves in the targets of chunky_state (docs/reliability.md, "Damaged
+# files"): the file's unverified bytes, corrupt or not, in every target its bytes stream into
+STREAMED = {"model.emb", "model.b", "model.nc", "model.mask", "optim.0.exp_avg", "optim.0.step"}
+# ... and their old contents in every target filled by a copy made only after the checks: views
+# of one blob (read into a temporary) and model.head, the second key of the tensor model.emb is
+# stored as (unless its target is model.emb's very tensor, as tied weights in a live model are)
+VIEWS = {"model.w", "model.w_t", "model.w_rows"}
+
+
+def chunky_state(seed: int) -> dict[str, Any]:
+    """A nested state over ~12 chunks of 4 KiB whose element boundaries fall off the chunk
+    grid, with a tied tensor, three overlapping views of one storage and a non-contiguous one."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(40, 33, generator=g)
+    w = torch.randn(24, 20, generator=g, dtype=torch.float64)
+    return {
+        "model": {
+            "emb": emb,
+            "head": emb,  # tied: stored once, under model.emb
+            "w": w,  # three overlapping views of one storage: stored as views of one blob
+            "w_t": w.t(),
+            "w_rows": w[3:17],
+            "b": torch.randn(1001, generator=g).to(torch.bfloat16),
+            "nc": torch.randn(30, 21, generator=g).t(),  # its own storage, not contiguous: its own bytes
+            "mask": torch.rand(4099, generator=g) > 0.5,
+        },
+        "optim": {0: {"exp_avg": torch.randn(3001, generator=g, dtype=torch.float64), "step": torch.tensor(5.0)}},
+        "step": 9,
+    }
+
+
+def chunky_targets(state: Any, tied: bool) -> Any:
+    """Poisoned targets: views sharing one storage; model.head model.emb's tensor (``tied``) or
+    a tensor of its own."""
+    targets = poisoned(state)
+    if tied:
+        targets["model"]["head"] = targets["model"]["emb"]
+    else:
+        targets["model"]["head"] = torch.empty_like(targets["model"]["emb"])
+        targets["model"]["head"].view(torch.uint8).fill_(POISON)
+    return targets
+
+
+@pytest.fixture(scope="module")
+def chunky(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, bytes, dict[str, tuple[int, int]]]:
+    """The state, its file's bytes, and each key's byte range in the file."""
+    path = tmp_path_factory.mktemp("chunky") / "ckpt.safetensors"
+    state = chunky_state(5)
+    ckptstream.save(state, path)
+    with ckptstream.open(path) as reader:
+        ranges = {e.key: (e.offset, e.end) for e in reader.entries()}
+        assert [e.key for e in reader.entries() if e.view is not None] == sorted(VIEWS, key=list(ranges).index)
+        assert reader.entry(("model", "head")).stored_as == "model.emb"
+    return state, path.read_bytes(), ranges
+
+
+def assert_failed_load_left(targets: Any, data: bytes | bytearray, ranges: dict[str, tuple[int, int]],
+                            streamed: set[str]) -> None:
+    """Each target in ``streamed`` holds exactly its bytes of ``data``; every other one, and the
+    whole storage of the views, holds nothing but POISON."""
+    for key, t in tensors_of(targets).items():
+        lo, hi = ranges[key]
+        if key in streamed:
+            assert element_bytes(t) == bytes(data[lo:hi]), f"{key} does not hold the file's bytes"
+        else:
+            assert _is_poison(t), f"{key} was written before its bytes were verified"
+    storage = torch.empty(0, dtype=torch.uint8).set_(targets["model"]["w"].untyped_storage())
+    assert bool((storage == POISON).all()), "the views' storage was written before the checks"
+
+
+
+def flip_positions(data: bytes, ranges: dict[str, tuple[int, int]], rng: random.Random) -> list[int]:
+    """Per stored tensor: its first and last byte, the bytes on either side of each 4 KiB
+    boundary inside it (where chunks split), and one at random."""
+    positions = set()
+    for lo, hi in set(ranges.values()):
+        positions |= {lo, hi - 1, rng.randrange(lo, hi)}
+        positions |= {b + d for b in range(lo // 4096 * 4096 + 4096, hi, 4096) for d in (-1, 0)}
+    return sorted(p for p in positions if p < len(data))
+
+
+@pytest.mark.usefixtures("jitter")  # the reading threads finish their chunks out of order
+@pytest.mark.parametrize("direct_io", ["off", "on"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_target", "own_target"])
+def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, bytes, dict[str, tuple[int, int]]],
+                                                          tmp_path: Path, direct_io: str, tied: bool) -> None:
+    """A flipped bit anywhere, loaded in many chunks by several threads: CorruptCheckpointError,
+    and every target holds exactly what docs/reliability.md says (see STREAMED)."""
+    state, data, ranges = chunky
+    if direct_io == "on" and not direct_io_supported(tmp_path):
+        pytest.skip("tmp_path's file system refuses O_DIRECT")
+    options = {**CHUNKY, "direct_io": direct_io}
+    streamed = STREAMED | ({"model.head"} if tied else set())
+    case = _write(tmp_path / "case.safetensors", data)
+    targets = chunky_targets(state, tied)
+    ckptstream.load_into(targets, case, **options)  # the undamaged file fills every target
+    for key, t in tensors_of(targets).items():
+        assert _same_bytes(t, tensors_of(state)[key]), key
+    positions = flip_positions(data, ranges, random.Random(4))
+    assert len(positions) >= 30
+    for pos in positions:
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << (pos % 8)
+        _write(case, flipped)
+        targets = chunky_targets(state, tied)
+        with pytest.raises(CorruptCheckpointError, match="fails its CRC-32C check"):
+            _quick(ckptstream.load_into, targets, case, **options)
+        assert_failed_load_left(targets, flipped, ranges, streamed)
+    every = bytearray(data)  # a bit flipped in every stored tensor at once
+    for lo, hi in set(ranges.values()):
+        every[(lo + hi) // 2] ^= 0x10
+    _write(case, every)
+    targets = chunky_targets(state, tied)
+    with pytest.raises(CorruptCheckpointError):
+        ckptstream.load_into(targets, case, **options)
+    assert_failed_load_left(targets, every, ranges, streamed)
+
+
+def test_failed_load_into_streams_a_tied_tensor_into_its_first_key_the_state_has(
+        chunky: tuple[Any, bytes, dict[str, tuple[int, int]]], tmp_path: Path) -> None:
+    """Without model.emb in the state, model.head's own target is where the tensor streams: it
+    holds the unverified bytes."""
+    state, data, ranges = chunky
+    flipped = bytearray(data)
+    flipped[ranges["model.emb"][0] + 5000] ^= 4
+    case = _write(tmp_path / "case.safetensors", flipped)
+    targets = chunky_targets(state, tied=False)
+    del targets["model"]["emb"]
+    with pytest.warns(ckptstream.StateMismatchWarning), pytest.raises(CorruptCheckpointError):
+        ckptstream.load_into(targets, case, strict=False, **CHUNKY)
+    assert_failed_load_left(targets, flipped, ranges, STREAMED | {"model.head"})
