@@ -67,3 +67,17 @@ def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("pwrite_all", *READ_CALLS):
         monkeypatch.setattr(_fileio, name, delayed(getattr(_fileio, name)))
+
+
+@pytest.fixture
+def no_save_left_behind() -> Iterator[None]:
+    """Every test ends with no background save in flight and no error left for the next test
+    (the modules of background saves use it for every test)."""
+    from ckptstream import _async
+
+    yield
+    for handle in _async.in_flight():
+        handle._done.wait(30)
+    leftover = list(_async._uncollected)
+    _async._uncollected.clear()
+    assert leftover == [], f"a test left failed saves nobody collected: {leftover}"

@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,8 @@ from helpers import random_tensor
 sys.path.insert(0, str(Path(__file__).parent / "resume"))
 from trainutil import differences, free_port, start_child
 
+pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 
-@pytest.fixture(autouse=True)
-def _nothing_left_behind() -> Iterator[None]:
-    yield
-    for handle in _async.in_flight():
-        handle._done.wait(30)
-    leftover = list(_async._uncollected)
-    _async._uncollected.clear()
-    assert leftover == [], f"a test left failed saves nobody collected: {leftover}"
 
 
 def state(version: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from . import _load
 from ._errors import CkptStreamError
@@ -19,6 +20,7 @@ from ._header import DTYPE_NAMES
 from ._reader import CheckpointReader
 
 # C0, DEL and C1 (U+0080..U+009F: U+009B is a one-character CSI to some terminals)
+T = TypeVar("T")
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
 
 
@@ -87,19 +89,26 @@ def _print_report(d: dict[str, Any]) -> None:
 
 
 def _verify(path: str) -> int:
-    try:
+    def check() -> str:
         with _load.open(path) as reader:
             reader.verify()
-            how = (f"{len(reader)} tensors, checksums verified" if reader.checksummed
-                   else "structure only: the file has no checksums")
-    except CkptStreamError as e:
-        print(printable(f"ckptstream verify: {e}"), file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(printable(f"ckptstream verify: {e}"), file=sys.stderr)
-        return 2
-    print(printable(f"{path}: OK ({how})"))
-    return 0
+            return (f"{len(reader)} tensors, checksums verified" if reader.checksummed
+                    else "structure only: the file has no checksums")
+
+    how, status = _reporting("verify", check)
+    if how is not None:
+        print(printable(f"{path}: OK ({how})"))
+    return status
+
+
+def _reporting(command: str, work: Callable[[], T]) -> tuple[T | None, int]:
+    """``work()``'s result and exit status 0, or None and 1 (a corrupt checkpoint) or 2 (an
+    unreadable file, bad input) with the error on stderr."""
+    try:
+        return work(), 0
+    except (CkptStreamError, OSError, ValueError) as e:
+        print(printable(f"ckptstream {command}: {e}"), file=sys.stderr)
+        return None, 1 if isinstance(e, CkptStreamError) else 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,14 +132,9 @@ def _run(args: argparse.Namespace) -> int:
         return bench.run(args)
     if args.command == "verify":
         return max(_verify(path) for path in args.paths)
-    try:
-        report = inspect_report(args.path)
-    except CkptStreamError as e:
-        print(printable(f"ckptstream inspect: {e}"), file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(printable(f"ckptstream inspect: {e}"), file=sys.stderr)
-        return 2
+    report, status = _reporting("inspect", lambda: inspect_report(args.path))
+    if report is None:
+        return status
     if args.json:
         # ensure_ascii escapes control characters and lone surrogates; NaN and Infinity are no JSON
         print(json.dumps(_finite(report), indent=2, ensure_ascii=True, allow_nan=False, default=repr))

@@ -119,3 +119,16 @@ def read_metadata(directory: str, rank: int | None, *, trusted: bool) -> Metadat
         raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
 
+
+class CheckpointDirectory:
+    """What StreamWriter and StreamReader share: a checkpoint is a local directory, ``path``."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in os.fspath(checkpoint_id)

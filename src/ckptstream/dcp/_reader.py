@@ -31,7 +31,7 @@ from . import _metadata
 from ._metadata import StoredChunk
 
 
-class StreamReader(StorageReader):
+class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     """Load a DCP checkpoint that ``StreamWriter`` saved in the directory ``path``, into any
     sharding (DCP reshards: save on 8 ranks, load on 4 or on 1).
 
@@ -128,14 +128,6 @@ class StreamReader(StorageReader):
                 with torch.no_grad():
                     dst.copy_(into)
             planner.commit_tensor(item, dst)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in os.fspath(checkpoint_id)
 
 
 def _entry(reader: CheckpointReader, chunk: StoredChunk, path: str, fqn: str) -> TensorEntry:

@@ -35,7 +35,7 @@ from . import _metadata, _rankfile, _staging
 from ._staging import Staging
 
 
-class StreamWriter(StorageWriter, AsyncStager):
+class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     """Save a DCP checkpoint into the directory ``path``: one safetensors file per rank
     (``rank-00000.safetensors``, ...), streamed from the tensors' memory (GPU or CPU) through a
     few pinned buffers, with a CRC-32C per chunk, and DCP's ``.metadata`` written last.
@@ -159,14 +159,6 @@ class StreamWriter(StorageWriter, AsyncStager):
         except ImportError:  # torch without it: DCP passes None
             return None
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in os.fspath(checkpoint_id)
 
     # --- async staging -------------------------------------------------------------------
 
