@@ -139,3 +139,17 @@ def test_runs_of_small_cuda_tensors_keep_stream_order(tmp_path: Path) -> None:
     for k, v in expected.items():
         assert torch.equal(seen[k], v), k
         assert torch.equal(seen_loaded[k], v), k
+
+
+def test_the_staging_pool_keeps_one_kind_of_buffer(tmp_path: Path) -> None:
+    """Staging stays num_buffers x buffer_size: transfers with other settings (a hot load splits
+    the same staging into smaller buffers) do not leave the first ones idle in the pool."""
+    ckptstream.release_staging()
+    src = torch.randn(200_000)
+    path = tmp_path / "t.bin"
+    ckptstream.device_to_file(src, path, buffer_size=64 << 10, num_buffers=4, direct_io="off")
+    assert ckptstream.staging_bytes() == 4 * (64 << 10)
+    dst = torch.empty(400, 500).t()  # not contiguous: staged
+    ckptstream.file_to_device(path, dst, buffer_size=32 << 10, num_buffers=8)
+    assert ckptstream.staging_bytes() == 8 * (32 << 10)
+    assert torch.equal(dst.reshape(-1), src)

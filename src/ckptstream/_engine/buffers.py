@@ -40,7 +40,10 @@ class StagingBuffer:
 
 
 class BufferPool:
-    """Process-wide pool of idle staging buffers, keyed by (size, pinned)."""
+    """Process-wide pool of idle staging buffers, keyed by (size, pinned). It keeps the idle
+    buffers of the last kind asked for only: a transfer with other settings (a hot load splits
+    the same staging into more, smaller buffers) frees the others, so the pool never holds two
+    transfers' worth of staging."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple[int, bool], list[StagingBuffer]] = {}
@@ -50,8 +53,12 @@ class BufferPool:
 
     def acquire(self, size: int, count: int, pinned: bool) -> list[StagingBuffer]:
         with self._lock:
-            idle = self._idle.setdefault((size, pinned), [])
+            other = [buf for key, bufs in self._idle.items() if key != (size, pinned) for buf in bufs]
+            self._idle = {(size, pinned): self._idle.get((size, pinned), [])}
+            idle = self._idle[(size, pinned)]
             taken = [idle.pop() for _ in range(min(count, len(idle)))]
+        for buf in other:
+            buf.free()
         try:
             while len(taken) < count:
                 taken.append(StagingBuffer(size, pinned))
