@@ -223,17 +223,17 @@ def _at_exit() -> None:
     nobody collected: a checkpoint is never lost without a word."""
     if os.getpid() != _owner:
         return
-    for handle in in_flight():
-        try:
+    try:  # a Ctrl-C anywhere in here (also while a line is written) abandons what is left
+        for handle in in_flight():
             say(f"waiting for the background save of {handle.path} to finish before exiting (Ctrl-C abandons it)")
             handle._done.wait()
-        except KeyboardInterrupt:
-            for left in in_flight():
-                say(f"abandoned the background save of {left.path}: it was NOT published "
-                     "(its temp file is removed by a later save of that path)")
-            return
-        if handle._error is None:
-            say(f"{handle.path} is saved")
+            if handle._error is None:
+                say(f"{handle.path} is saved")
+    except KeyboardInterrupt:
+        for left in in_flight():
+            say(f"abandoned the background save of {left.path}: it was NOT published "
+                 "(its temp file is removed by a later save of that path)")
+        return
     with _cond:
         failed = list(_uncollected)
         _uncollected.clear()

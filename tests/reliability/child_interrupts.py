@@ -72,10 +72,10 @@ def signaller(count: int, rng: random.Random, window: float) -> threading.Thread
 
 
 def settle(thread: threading.Thread) -> None:
-    """Wait for the signaller, then until 50 ms pass without an interrupt: the kernel may run a
+    """Wait for the signaller, then until 150 ms pass without an interrupt: the kernel may run a
     signal's handler a little after kill() returned, in whatever thread it picked."""
     quiet_since = time.monotonic()
-    while thread.is_alive() or time.monotonic() - quiet_since < 0.05:
+    while thread.is_alive() or time.monotonic() - quiet_since < 0.15:
         try:
             thread.join(0.005)
             time.sleep(0.005)
