@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckptstream import _checksum, _header
 from ckptstream._engine import Piece
 from ckptstream._engine.buffers import POOL
 
@@ -304,3 +305,34 @@ def fail_kth_call(monkeypatch: pytest.MonkeyPatch, owner: Any, names: tuple[str,
 
     for name in names:
         monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def craft_checkpoint(path: Path, tensors: list[tuple[str, str, list[int], bytes]], structure: str,
+                     metadata: dict[str, str] | None = None) -> Path:
+    """A ckptstream file written by hand (any structure text; non-ASCII escaped as JSON does)
+    whose tensor and header checksums are right, so that only the structure's own checks stand
+    between it and a load."""
+    meta = {**(metadata or {}), "ckptstream.format": "1", "ckptstream.structure": structure,
+            "ckptstream.crc32c": "0" * 8 * len(tensors), "ckptstream.header_crc32c": "0" * 8}
+    table: dict[str, Any] = {"__metadata__": meta}
+    pos = 0
+    for name, dtype, shape, data in tensors:
+        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(data)]}
+        pos += len(data)
+    body = json.dumps(table, separators=(",", ":"), ensure_ascii=True).encode()
+    header = _header.fill(struct.pack("<Q", len(body)) + body, [_checksum.crc_of(d) for *_, d in tensors])
+    path.write_bytes(header + b"".join(d for *_, d in tensors))
+    return path
+
+
+def spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(buffer size, count) of every request for staging buffers from now on."""
+    taken: list[tuple[int, int]] = []
+    real = POOL.acquire
+
+    def spy(size: int, count: int, pinned: bool) -> Any:
+        taken.append((size, count))
+        return real(size, count, pinned)
+
+    monkeypatch.setattr(POOL, "acquire", spy)
+    return taken

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import subprocess
 import sys
 import zlib
@@ -19,7 +18,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, _checksum, _header, cli
+from ckptstream import CorruptCheckpointError, cli
+from helpers import craft_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -31,23 +31,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     status = cli.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err
-
-
-def craft(path: Path, tensors: list[tuple[str, str, list[int], bytes]], structure: str,
-          metadata: dict[str, str] | None = None) -> Path:
-    """A ckptstream file written by hand (any text, lone surrogates included, escaped as JSON
-    does), with valid tensor and header checksums."""
-    meta = {**(metadata or {}), "ckptstream.format": "1", "ckptstream.structure": structure,
-            "ckptstream.crc32c": "0" * 8 * len(tensors), "ckptstream.header_crc32c": "0" * 8}
-    table: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
-    for name, dtype, shape, data in tensors:
-        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(data)]}
-        pos += len(data)
-    body = json.dumps(table, separators=(",", ":"), ensure_ascii=True).encode()
-    header = _header.fill(struct.pack("<Q", len(body)) + body, [_checksum.crc_of(d) for *_, d in tensors])
-    path.write_bytes(header + b"".join(d for *_, d in tensors))
-    return path
 
 
 def strict_json(text: str) -> Any:
@@ -146,7 +129,7 @@ def test_inspect_escapes_control_characters(tmp_path: Path, capsys: pytest.Captu
 
 def test_inspect_prints_lone_surrogates_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     key, text = "caf\udce9\x1b[1m", "v\udcff"  # valid JSON ("\udce9"), not valid UTF-8 text
-    path = craft(tmp_path / "s.safetensors", [("w", "F32", [2], bytes(range(8)))],
+    path = craft_checkpoint(tmp_path / "s.safetensors", [("w", "F32", [2], bytes(range(8)))],
                  json.dumps({"dict": [[key, {"tensor": "w"}], ["label", text]]}), metadata={"m\udcff": text})
     status, out, err = run_cli(capsys, "inspect", str(path))
     assert (status, err) == (0, "")
@@ -269,7 +252,7 @@ def test_non_finite_numbers_in_the_structure_are_corrupt(number: str, tmp_path: 
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """JSON has no inf or nan; ckptstream stores them as {"float": "inf"}. A literal that
     overflows to inf is as non-standard as the Infinity constant, and both are refused."""
-    path = craft(tmp_path / "n.st", [("w", "F32", [2], bytes(range(8)))],
+    path = craft_checkpoint(tmp_path / "n.st", [("w", "F32", [2], bytes(range(8)))],
                  '{"dict":[["w",{"tensor":"w"}],["lr",' + number + "]]}")
     with pytest.raises(CorruptCheckpointError, match="structure metadata is not valid JSON"):
         ckptstream.load(path)
@@ -279,7 +262,7 @@ def test_non_finite_numbers_in_the_structure_are_corrupt(number: str, tmp_path: 
 
 
 def test_non_finite_floats_stored_as_ckptstream_writes_them_load(tmp_path: Path) -> None:
-    path = craft(tmp_path / "ok.st", [("w", "F32", [2], bytes(range(8)))],
+    path = craft_checkpoint(tmp_path / "ok.st", [("w", "F32", [2], bytes(range(8)))],
                  '{"dict":[["w",{"tensor":"w"}],["a",{"float":"inf"}],["b",{"float":"-inf"}],["c",{"float":"nan"}],'
                  '["d",1e300],["e",-1e-320]]}')
     back = ckptstream.load(path)

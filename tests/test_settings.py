@@ -16,9 +16,8 @@ import torch
 
 import ckptstream
 from ckptstream import DirectIO, Settings, _settings
-from ckptstream._engine.buffers import POOL
 from ckptstream._engine.engine import Engine
-from helpers import random_bytes, random_tensor
+from helpers import random_bytes, random_tensor, spy_on_staging
 
 ENV = ("CKPTSTREAM_BUFFER_SIZE", "CKPTSTREAM_NUM_BUFFERS", "CKPTSTREAM_IO_THREADS", "CKPTSTREAM_DIRECT_IO")
 
@@ -53,14 +52,7 @@ def test_settings_scoping() -> None:
 
 
 def test_settings_and_arguments_choose_the_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken: list[tuple[int, int]] = []
-    real = POOL.acquire
-
-    def spy(size: int, count: int, pinned: bool) -> Any:
-        taken.append((size, count))
-        return real(size, count, pinned)
-
-    monkeypatch.setattr(POOL, "acquire", spy)
+    taken = spy_on_staging(monkeypatch)
     src, path = random_bytes(10000), tmp_path / "t.bin"
     with ckptstream.settings(buffer_size=1000, num_buffers=2):
         ckptstream.device_to_file(src, path)

@@ -29,6 +29,7 @@ from helpers import (
     poisoned_like,
     random_bytes,
     random_tensor,
+    spy_on_staging,
 )
 
 # --- argument errors ----------------------------------------------------------------------------
@@ -232,14 +233,7 @@ def test_reads_into_host_tensors_take_no_staging_buffers(tmp_path: Path, monkeyp
     src = random_bytes(40000)
     path = tmp_path / "t.bin"
     ckptstream.device_to_file(src, path)
-    taken: list[tuple[int, int]] = []
-    real = POOL.acquire
-
-    def spy(size: int, count: int, pinned: bool) -> Any:
-        taken.append((size, count))
-        return real(size, count, pinned)
-
-    monkeypatch.setattr(POOL, "acquire", spy)
+    taken = spy_on_staging(monkeypatch)
     dst = poisoned_like(src)
     ckptstream.file_to_device(path, dst, buffer_size=3019, num_buffers=2)
     assert taken == []

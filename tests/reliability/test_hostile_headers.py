@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, _checksum, _header, _structure, cli
+from ckptstream import CorruptCheckpointError, _structure, cli
+from helpers import craft_checkpoint
 
 MiB = 1 << 20
 
@@ -28,22 +29,6 @@ MiB = 1 << 20
 @pytest.fixture(autouse=True)
 def _seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def craft(path: Path, tensors: list[tuple[str, str, list[int], bytes]], structure: str) -> Path:
-    """A ckptstream file written by hand whose tensor and header checksums are right, so that
-    only the structure's own checks stand between it and a load."""
-    meta = {"ckptstream.format": "1", "ckptstream.structure": structure,
-            "ckptstream.crc32c": "0" * 8 * len(tensors), "ckptstream.header_crc32c": "0" * 8}
-    table: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
-    for name, dtype, shape, data in tensors:
-        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(data)]}
-        pos += len(data)
-    body = json.dumps(table, separators=(",", ":")).encode()
-    header = _header.fill(struct.pack("<Q", len(body)) + body, [_checksum.crc_of(d) for *_, d in tensors])
-    path.write_bytes(header + b"".join(d for *_, d in tensors))
-    return path
 
 
 def header_size(path: Path) -> int:
@@ -57,7 +42,7 @@ def header_size(path: Path) -> int:
 def _with_view(tmp_path: Path, base_bytes: int, view: list[Any]) -> Path:
     data = bytes((i * 7 + 1) % 251 for i in range(base_bytes))
     structure = json.dumps({"dict": [["w", {"tensor": "w"}], ["v", {"view": ["w", *view]}]]})
-    return craft(tmp_path / "v.safetensors", [("w", "U8", [base_bytes], data)], structure)
+    return craft_checkpoint(tmp_path / "v.safetensors", [("w", "U8", [base_bytes], data)], structure)
 
 
 @pytest.mark.parametrize(("base", "view"), [
@@ -165,7 +150,7 @@ def _int_dict(keys: list[int]) -> str:
 def test_int_keys_that_all_hash_alike_are_rejected_fast(tmp_path: Path) -> None:
     keys = [k * (2**61 - 1) for k in range(1, 100_001)]  # all hash to 0: a dict of them is quadratic
     assert len({hash(k) for k in keys}) == 1
-    path = craft(tmp_path / "h.safetensors", [("w", "U8", [1], b"x")], _int_dict(keys))
+    path = craft_checkpoint(tmp_path / "h.safetensors", [("w", "U8", [1], b"x")], _int_dict(keys))
     for call in (ckptstream.load, ckptstream.verify, ckptstream.open):
         start = time.perf_counter()
         with pytest.raises(CorruptCheckpointError, match=r"the dict at d has more than 8 int keys with one hash"):
@@ -177,7 +162,7 @@ def test_int_keys_of_real_states_load(tmp_path: Path) -> None:
     # with 0 (in the range), SAME_HASH keys of hash 0: the most a dict may hold; hash(-1) == hash(-2)
     colliding = [k * (2**61 - 1) for k in range(1, _structure.SAME_HASH)] + [-1, -2]
     keys = [*range(100_000), 2**70, -(2**70), *colliding]
-    path = craft(tmp_path / "ok.safetensors", [("w", "U8", [1], b"x")], _int_dict(keys))
+    path = craft_checkpoint(tmp_path / "ok.safetensors", [("w", "U8", [1], b"x")], _int_dict(keys))
     assert list(ckptstream.load(path)["d"]) == keys
 
 
@@ -206,8 +191,8 @@ def _load_seconds(path: Path) -> float:
 @pytest.mark.parametrize(("make", "n"), [(_empty_containers, 45_000), (_one_byte_tensors, 8_000)],
                          ids=["empty_containers", "one_byte_tensors"])
 def test_parsing_time_is_linear_in_the_header_size(make: Callable[[int], Any], n: int, tmp_path: Path) -> None:
-    small = craft(tmp_path / "small.safetensors", *make(n))
-    large = craft(tmp_path / "large.safetensors", *make(4 * n))
+    small = craft_checkpoint(tmp_path / "small.safetensors", *make(n))
+    large = craft_checkpoint(tmp_path / "large.safetensors", *make(4 * n))
     assert 3.5 < header_size(large) / header_size(small) < 4.5
     ratio = _load_seconds(large) / _load_seconds(small)
     assert ratio < 8, f"4x the header took {ratio:.1f}x the time"
@@ -220,11 +205,11 @@ def test_depth_is_bounded_and_costs_little_within_the_bound(tmp_path: Path) -> N
     from ckptstream._structure import MAX_DEPTH
 
     leaves = ",".join(["1"] * 60_000)
-    flat = craft(tmp_path / "flat.safetensors", [], '{"list":[{"list":[' + leaves + "]}]}")
-    deep = craft(tmp_path / "deep.safetensors", [], '{"list":[' * MAX_DEPTH + leaves + "]}" * MAX_DEPTH)
+    flat = craft_checkpoint(tmp_path / "flat.safetensors", [], '{"list":[{"list":[' + leaves + "]}]}")
+    deep = craft_checkpoint(tmp_path / "deep.safetensors", [], '{"list":[' * MAX_DEPTH + leaves + "]}" * MAX_DEPTH)
     ratio = _load_seconds(deep) / _load_seconds(flat)
     assert ratio < 4, f"the same leaves {MAX_DEPTH} levels deep took {ratio:.1f}x the time"
-    deeper = craft(tmp_path / "deeper.safetensors", [], '{"list":[' * 300 + leaves + "]}" * 300)
+    deeper = craft_checkpoint(tmp_path / "deeper.safetensors", [], '{"list":[' * 300 + leaves + "]}" * 300)
     with pytest.raises(ckptstream.CorruptCheckpointError, match=f"more than {MAX_DEPTH} deep"):
         ckptstream.load(deeper)
     state: Any = 1
@@ -266,7 +251,7 @@ MULTIPLE = 40  # the documented bound (docs/reliability.md, "Hostile files")
 def test_peak_memory_is_a_small_multiple_of_the_header(make: Callable[[int], Any], n: int, tmp_path: Path) -> None:
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs /proc/self/clear_refs to reset the peak RSS")
-    path = craft(tmp_path / "big.safetensors", *make(n))
+    path = craft_checkpoint(tmp_path / "big.safetensors", *make(n))
     warm = tmp_path / "warm.safetensors"
     ckptstream.save({"a": {"b": torch.randn(3)}, "c": [1, (2,)]}, warm)
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(warm)], capture_output=True, text=True,
