@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _fileio, _gc, _header
+from . import _blocks, _fileio, _gc, _header
 from ._engine import Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
 from ._header import Header, empty_tensor
@@ -273,15 +273,20 @@ class CheckpointReader:
         ``reader.get_slice("w")[2:5, :, 0]``."""
         return TensorSlice(self, self.entry(key))
 
-    def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False) -> Any:
+    def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
+             mmap: bool = False) -> Any:
         """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
         with tensors of the right dtypes and shapes and nothing read."""
         dev = as_device(device)
         dev = dev if dev.type == "meta" else target_device(dev)
-        with _gc.paused():
+        if mmap:
+            from . import _mapped
+
+            tensors = _mapped.mapped_tensors(self, dev, checksum=checksum, progress=progress)
+        elif dev.type == "meta":
             tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
-        if dev.type != "meta":
-            self.stream(tensors, checksum=checksum, progress=progress)
+        else:
+            tensors = self._load_tensors(dev, checksum, progress)
         views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
         def tensor_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
@@ -295,6 +300,33 @@ class CheckpointReader:
 
         with _gc.paused():
             return unflatten(self._structure.tree, tensor_leaf, self.path)
+
+    def _load_tensors(self, dev: torch.device, checksum: bool, progress: bool) -> dict[str, torch.Tensor]:
+        """Every stored tensor, read into few allocations on ``dev`` (see ``_blocks``)."""
+        h = self.header
+        check = checksum and h.crcs is not None
+        with _gc.paused():
+            to = _blocks.arrange(h.tensors, h.data_start, dev, {v.base for v in self._structure.views.values()})
+        crcs = dict(zip((t.name for t in h.tensors), h.crcs, strict=True)) if check else {}  # type: ignore[arg-type]
+        got = self._run(to.pieces, check, progress, spans=to.spans)
+        self._compare([(name, crcs[name]) for name in to.names] if check else [], got)
+        return to.tensors
+
+    def _run(self, pieces: list[Piece], check: bool, progress: bool, *, stream: torch.cuda.Stream | None = None,
+             spans: list[tuple[int, int]] | None = None) -> list[int]:
+        with progress_bar(progress, sum(p.nbytes for p in pieces), f"load {os.path.basename(self.path)}") as bar:
+            with _gc.paused():
+                engine = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream,
+                                    spans=spans)
+            return engine.run()
+
+    def _compare(self, stored: list[tuple[str, int]], got: list[int]) -> None:
+        """Raise for the first tensor whose computed CRC-32C is not the stored one."""
+        for (name, crc), computed in zip(stored, got, strict=False):  # got is empty without checksums
+            if crc != computed:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {self._keys_of(name)} fails its CRC-32C check (stored {crc:08x}, computed "
+                    f"{computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
 
     def verify(self, *, progress: bool = False) -> None:
         """Read every tensor's bytes and compare them with their checksums (a file without
@@ -318,15 +350,7 @@ class CheckpointReader:
                 else:
                     continue
                 stored.append((t.name, crc))
-        with progress_bar(progress, sum(p.nbytes for p in pieces), f"load {os.path.basename(self.path)}") as bar:
-            with _gc.paused():
-                engine = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream)
-            got = engine.run()
-        for (name, crc), computed in zip(stored, got, strict=False):  # got is empty without checksums
-            if crc != computed:
-                raise CorruptCheckpointError(
-                    f"{self.path}: {self._keys_of(name)} fails its CRC-32C check (stored {crc:08x}, computed "
-                    f"{computed:08x}): its data is corrupt; restore it from another checkpoint or copy")
+        self._compare(stored, self._run(pieces, check, progress, stream=stream))
 
     def _keys_of(self, stored_as: str) -> str:
         """The user-facing keys of a stored tensor, for messages."""

@@ -115,7 +115,10 @@ def main() -> int:
             while seen is None:  # a later signal of the same burst may land in here: take it again
                 with contextlib.suppress(KeyboardInterrupt):
                     seen = snapshot(directory)
-        settle(thread)
+        while True:  # a signal may also land between the operation's end and settle's own try
+            with contextlib.suppress(KeyboardInterrupt):
+                settle(thread)
+                break
         if seen is None:
             counts["completed"] += 1
             continue

@@ -12,10 +12,11 @@ by a chunk's end waits in a carry until the next chunk completes it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
 from .layout import copy_in
-from .plan import Chunk, Piece
+from .plan import Chunk, Part, Piece
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -49,18 +50,32 @@ HOT_SHARE = 0.9  # of the bytes in the page cache: a hot load
 
 
 class ReadEngine(Engine):
-    """Fills each piece's tensor bytes from its file offset (pieces may overlap)."""
+    """Fills each piece's tensor bytes from its file offset (pieces may overlap).
+
+    With ``spans`` (file ranges, sorted, disjoint, each inside one piece), ``wait`` returns the
+    CRC-32C of each span rather than of each piece: a load may move many tensors that share one
+    allocation as one piece, padding and all, and still check each tensor on its own.
+    """
 
     writing = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, spans: Sequence[tuple[int, int]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pending: dict[int, list[Any]] = {}  # per staging buffer: the events of its copies
         self._carries: dict[int, torch.Tensor] = {}  # per non-contiguous piece
         self._carry_order = _CarryOrder([c.index for c in self.chunks if self._has_ordered(c)], self.failure)
+        self._spans = spans
+        self._span_starts = [begin for begin, _ in spans or ()]
+        # per piece, with spans: the span that is exactly the piece's bytes, if one is
+        self._span_of: list[int | None] = [None] * len(self.pieces)
+        for i, p in enumerate(self.pieces if spans is not None else ()):
+            at = bisect.bisect_left(self._span_starts, p.offset)
+            if at < len(self._span_starts) and spans[at] == (p.offset, p.end):  # type: ignore[index]
+                self._span_of[i] = at
         # pieces checksummed on their device once loaded, not from the staging buffers
-        self.on_device = [self.checksum and flat is not None and self.streams.checksums_on_device(flat[p.lo : p.hi])
-                          for p, flat in zip(self.pieces, self.flat, strict=True)]
+        self.on_device = [self.checksum and flat is not None and (spans is None or self._span_of[i] is not None)
+                          and self.streams.checksums_on_device(flat[p.lo : p.hi])
+                          for i, (p, flat) in enumerate(zip(self.pieces, self.flat, strict=True))]
         # chunks read straight into host tensors: no staging buffer, no second copy
         self._unstaged = [self.direct_fd is None and _host_runs(c, self.host) for c in self.chunks]
 
@@ -100,7 +115,8 @@ class ReadEngine(Engine):
             self._carry_order.done()
         self._pending[id(buf)] = events
         if self.checksum:  # while the device copies
-            self.host_crcs(chunk, buf, self.on_device)
+            view = buf.view
+            self._chunk_crcs(chunk, lambda p: view[p.at : p.at + p.hi - p.lo])
 
     def _copy_parts(self, chunk: Chunk, buf: StagingBuffer, *, ordered: bool) -> list[Any]:
         """Enqueue the copies of the chunk's parts into contiguous tensors (or, ``ordered``,
@@ -147,9 +163,30 @@ class ReadEngine(Engine):
             if got < nbytes:
                 self._truncated(pos + got)
         if self.checksum:
-            self.part_crcs[chunk.index] = [
-                (p.piece, _checksum.crc_of(self.host[p.piece][p.lo : p.hi]), p.hi - p.lo)  # type: ignore[index]
-                for p in chunk.parts]
+            self._chunk_crcs(chunk, lambda p: self.host[p.piece][p.lo : p.hi])  # type: ignore[index]
+
+    def _chunk_crcs(self, chunk: Chunk, data: Callable[[Part], memoryview]) -> None:
+        """Note the CRC-32C of the chunk's bytes of each piece (or, with spans, of each span),
+        given each part's bytes; pieces checksummed on their device are left out."""
+        skip, crc_of = self.on_device, _checksum.crc_of
+        if self._spans is None:
+            self.part_crcs[chunk.index] = [(p.piece, crc_of(data(p)), p.hi - p.lo)
+                                           for p in chunk.parts if not skip[p.piece]]
+            return
+        spans, starts, crcs = self._spans, self._span_starts, []
+        for p in chunk.parts:
+            if skip[p.piece]:
+                continue
+            begin = chunk.origin + p.at
+            end = begin + p.hi - p.lo
+            s = max(0, bisect.bisect_right(starts, begin) - 1)
+            mv = data(p)
+            while s < len(spans) and spans[s][0] < end:
+                lo, hi = max(spans[s][0], begin), min(spans[s][1], end)
+                if lo < hi:
+                    crcs.append((s, crc_of(mv[lo - begin : hi - begin]), hi - lo))
+                s += 1
+        self.part_crcs[chunk.index] = crcs
 
     def _truncated(self, file_end: int) -> None:
         """Report a file that ends at ``file_end`` for the whole read."""
@@ -175,13 +212,17 @@ class ReadEngine(Engine):
             self._truncated(lo + got)
 
     def _result(self) -> list[int]:
-        values = super()._result()
+        if not self.checksum:
+            values = []
+        else:
+            values = _checksum.span_crcs(len(self.pieces if self._spans is None else self._spans), self.part_crcs)
         if any(self.on_device):
             with self.streams.copying():  # queued after the copies
                 for picked in self._on_device_by_device().values():
                     flats = [self.flat[i][self.pieces[i].lo : self.pieces[i].hi] for i in picked]  # type: ignore[index]
                     for i, crc in zip(picked, self.streams.checksums(flats), strict=True):
-                        values[i] = crc
+                        at = self._span_of[i] if self._spans is not None else i
+                        values[at] = crc  # type: ignore[index]
         self.streams.hand_back()
         return values
 

@@ -1,0 +1,148 @@
+"""Where a whole load puts its tensors: few allocations, each holding a run of the file's tensors
+at their file positions, and the pieces and checksum spans that fill them.
+
+A load of many small tensors pays per allocation and per copy more than per byte; so tensors
+below ``SMALL`` that lie close together in the file share one allocation (up to ``BLOCK`` bytes),
+come back as views of it, and the engine moves the whole run (padding and all) as one piece,
+while each tensor keeps a checksum span of its own. Larger tensors get an allocation each, so
+that dropping one frees its memory.
+
+Host memory is an anonymous mapping advised for huge pages (first-touch page faults on fresh
+4 KiB pages otherwise cost more than the copy that fills them), placed so that memory and file
+agree modulo the page size; device memory agrees with the file modulo 16 bytes. A tensor whose
+file offset is not aligned to its element size (possible in foreign files) then cannot be a view
+at its file position: it gets an ordinary allocation of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import mmap
+from collections.abc import Collection, Sequence
+
+import torch
+
+from ._engine import Piece
+from ._header import TensorInfo, empty_tensor
+
+SMALL = 1 << 20  # tensors below share allocations
+BLOCK = 64 << 20  # the most bytes one shared allocation spans
+HUGE = 2 << 20  # host allocations from this size are advised for huge pages
+PAGE = mmap.PAGESIZE
+_CONGRUENCE = 16  # device memory agrees with the file modulo this (the widest element)
+_PACKED = {getattr(torch, "float4_e2m1fn_x2", None)} - {None}  # stored shapes count packed pairs
+
+
+@dataclasses.dataclass
+class Destinations:
+    """The tensors of a load by stored name, and what the read engine fills them with: pieces
+    (one per allocation) and spans (file ranges, one per tensor with bytes) named by ``names``."""
+
+    tensors: dict[str, torch.Tensor]
+    pieces: list[Piece]
+    spans: list[tuple[int, int]]
+    names: list[str]  # the stored tensor of each span
+
+
+def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
+            alone: Collection[str] = ()) -> Destinations:
+    """Allocate every stored tensor of ``infos`` (in file order) on ``device`` in few allocations;
+    those named in ``alone`` (the bases of views, which may view their bytes as any dtype) get an
+    allocation of their own."""
+    out = Destinations({}, [], [], [])
+    run: list[TensorInfo] = []
+    for t in infos:
+        if (t.end == t.begin or t.dtype in _PACKED or (data_start + t.begin) % t.dtype.itemsize
+                or t.name in alone):
+            _flush(out, run, data_start, device)
+            run = []
+            out.tensors[t.name] = _alone(out, t, data_start, device)
+            continue
+        if run and (t.nbytes >= SMALL or t.end - run[0].begin > BLOCK or t.begin < run[-1].end):
+            _flush(out, run, data_start, device)
+            run = []
+        run.append(t)
+        if t.nbytes >= SMALL:  # alone: dropping it frees its memory
+            _flush(out, run, data_start, device)
+            run = []
+    _flush(out, run, data_start, device)
+    order = sorted(range(len(out.spans)), key=out.spans.__getitem__)
+    out.spans, out.names = [out.spans[i] for i in order], [out.names[i] for i in order]
+    return out
+
+
+def _alone(out: Destinations, t: TensorInfo, data_start: int, device: torch.device) -> torch.Tensor:
+    """An unaligned, packed or empty tensor, or a view's base: an allocation of its own, filled
+    as its own piece."""
+    tensor = empty_tensor(t.shape, t.dtype, device)
+    if t.end > t.begin:
+        out.pieces.append(Piece.of(tensor, data_start + t.begin))
+        out.spans.append((data_start + t.begin, data_start + t.end))
+        out.names.append(t.name)
+    return tensor
+
+
+def _flush(out: Destinations, run: list[TensorInfo], data_start: int, device: torch.device) -> None:
+    """One allocation for ``run`` (aligned tensors back to back in the file), its views, its piece."""
+    if not run:
+        return
+    begin, end = data_start + run[0].begin, data_start + run[-1].end
+    if device.type == "cpu":
+        area, shift = host_area(end - begin, begin)
+        memory = torch.frombuffer(area, dtype=torch.uint8)[shift : shift + end - begin]
+        out.tensors.update(_host_views(memoryview(area)[shift:], run))
+    else:
+        # a tensor alone starts its allocation (storage offset 0); a run keeps its elements aligned
+        memory = device_memory(end - begin, begin if len(run) > 1 else 0, device)
+        out.tensors.update(_device_views(memory, run))
+    out.pieces.append(Piece.of(memory, begin))
+    out.spans.extend((data_start + t.begin, data_start + t.end) for t in run)
+    out.names.extend(t.name for t in run)
+
+
+def _host_views(mv: memoryview, run: list[TensorInfo]) -> dict[str, torch.Tensor]:
+    """Host tensors each with a storage of its own over its bytes in ``mv`` (storage offset 0,
+    as some torch functions, e.g. ``torch.set_rng_state``, assume), all keeping the mapping alive."""
+    begin = run[0].begin
+    return {t.name: torch.frombuffer(mv[t.begin - begin : t.end - begin], dtype=t.dtype).view(t.shape) for t in run}
+
+
+def _device_views(memory: torch.Tensor, run: list[TensorInfo]) -> dict[str, torch.Tensor]:
+    """Device tensors as views of the allocation (one call each)."""
+    storage, base = memory.untyped_storage(), memory.storage_offset() - run[0].begin
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = {}
+    for t in run:
+        dtype, size = t.dtype, t.dtype.itemsize
+        if dtype not in typed:
+            typed[dtype] = torch.empty(0, dtype=dtype, device=memory.device).set_(
+                storage, 0, (storage.nbytes() // size,), (1,))
+        views[t.name] = typed[dtype].as_strided(t.shape, _strides(t.shape), (base + t.begin) // size)
+    return views
+
+
+def device_memory(nbytes: int, file_offset: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of uint8 device memory whose address agrees with ``file_offset`` modulo 16."""
+    shift = file_offset % _CONGRUENCE
+    return torch.empty(nbytes + shift, dtype=torch.uint8, device=device)[shift:]
+
+
+def host_area(nbytes: int, file_offset: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping that holds ``nbytes`` from byte ``shift`` on, where ``shift`` makes
+    the address agree with ``file_offset`` modulo the page size; advised for huge pages."""
+    shift = file_offset % PAGE
+    size = -(-(nbytes + shift) // PAGE) * PAGE
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages then
+            area.madvise(mmap.MADV_HUGEPAGE)
+    return area, shift
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [1] * len(shape), 1
+    for i in range(len(shape) - 1, 0, -1):
+        step *= max(shape[i], 1)
+        strides[i - 1] = step
+    return tuple(strides)
