@@ -7,7 +7,8 @@ import os
 import warnings
 from typing import Any
 
-from ._reader import CheckpointReader, Device
+from . import _mapped
+from ._reader import CheckpointReader, Device, as_device
 from ._settings import INHERIT, call_settings
 
 
@@ -52,7 +53,7 @@ def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
 
 
 def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-         verify: bool | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
+         mmap: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
          io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
     """Load a state saved by ``save`` (or any safetensors file, as a flat dict).
 
@@ -61,6 +62,16 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
         device: where every tensor lands ("cpu", "cuda", "cuda:1", a torch.device).
         checksum: compare every tensor with its stored CRC-32C (``verify`` in 0.1.0).
         progress: show a progress bar on stderr.
+        mmap: (``device="cpu"`` only) instead of copying the data, return tensors backed by a
+            private, copy-on-write mapping of the file: a load that reads nothing up front
+            except to verify checksums (``checksum=True`` reads every byte once, on up to
+            ``max(io_threads, hot_io_threads)`` threads, at most one per core). The tensors
+            read the file lazily as they are used: the file must not be modified in place or
+            truncated while they live (truncation by another program can kill the process
+            with SIGBUS; ckptstream's own saves replace files by rename, which is safe).
+            Writes to the tensors stay private to this process and never reach the file.
+            Tensors whose file offset is not a multiple of their element size (possible in
+            files of other writers) are copied instead. No file descriptor stays open.
         buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
             this call.
 
@@ -70,14 +81,18 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
 
     Raises:
         CorruptCheckpointError: the file is malformed, truncated or fails a checksum (named).
+        ValueError: ``mmap=True`` with a device other than "cpu".
 
     Example:
         >>> state = ckptstream.load("ckpt.safetensors", device="cuda")
+        >>> weights = ckptstream.load("model.safetensors", mmap=True)   # CPU, mapped
     """
     checksum = checksum_argument(checksum, verify, "load")
+    if mmap:  # before the file is opened
+        _mapped.check_device(as_device(device))
     with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
               direct_io=direct_io) as reader:
-        return reader.load(device=device, checksum=checksum, progress=progress)
+        return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
 
 
 def verify(path: str | os.PathLike[str], *, progress: bool = False, buffer_size: Any = INHERIT,
