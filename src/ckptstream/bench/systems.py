@@ -2,7 +2,8 @@
 
 A load variant either returns a new state (``in_place=False``: it gets the saved state only to
 know shapes) or fills a preallocated one (``in_place=True``: the benchmark allocates the target
-before the clock starts, as a training job that already holds its model would).
+before the clock starts, as a training job that already holds its model would). A variant that
+loads to some devices only (``devices``) is not run, nor listed, on the others.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Variant:
     label: str
     load: Load
     in_place: bool = False
+    devices: tuple[str, ...] = ("cpu", "cuda")  # device types it loads to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,11 @@ class System:
     filename: str  # the checkpoint file in the system's directory ("" for a directory)
     save: Save
     variants: tuple[Variant, ...]
+
+    def variants_on(self, device: str) -> tuple[Variant, ...]:
+        """The load variants that run on ``device`` ("cpu", "cuda", "cuda:1")."""
+        kind = device.split(":")[0]
+        return tuple(v for v in self.variants if kind in v.devices)
 
     def path(self, directory: str, rank: int) -> str:
         if not self.filename:
@@ -65,6 +72,10 @@ def _ck_load(path: str, like: Any, device: str, world: int) -> Any:
 
 def _ck_load_unverified(path: str, like: Any, device: str, world: int) -> Any:
     return ckptstream.load(path, device=device, checksum=False)  # beside the row above: what verifying costs
+
+
+def _ck_load_mmap(path: str, like: Any, device: str, world: int) -> Any:
+    return ckptstream.load(path, device=device, mmap=True)  # CPU only: tensors backed by the mapped file
 
 
 def _ck_load_into(path: str, target: Any, device: str, world: int) -> Any:
@@ -186,7 +197,8 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("ckptstream", "ckptstream", "safetensors", _ck_save,
                (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True),
-                Variant("ckptstream checksum=False", _ck_load_unverified))),
+                Variant("ckptstream checksum=False", _ck_load_unverified),
+                Variant("ckptstream mmap", _ck_load_mmap, devices=("cpu",)))),
         System("engine", "ckptstream", "bin", _engine_save, (Variant("engine", _engine_load),)),
         System("torch", "torch", "pt", _torch_save,
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),

@@ -85,7 +85,7 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     nbytes = state_nbytes(state)
     os.makedirs(job["dir"], exist_ok=True)
     path, shared = system.path(job["dir"], group.rank), not system.filename
-    variants = system.variants if job["all_variants"] else system.variants[:1]
+    variants = system.variants_on(job["device"]) if job["all_variants"] else system.variants[:1]
     temps = ("cold", "hot") if job["hot"] else ("cold",)
     runs: dict[str, Any] = {"save": [], "loads": {v.label: {t: [] for t in temps} for v in variants}}
     errors: dict[str, str] = {}
