@@ -42,7 +42,7 @@ def test_a_load_returns_every_tensor_exactly(device: torch.device, buffer_size: 
     loaded = ckptstream.load(path, device=device, buffer_size=buffer_size)  # chunks cut runs and elements
     assert list(loaded) == list(state)
     for key, t in state.items():
-        assert loaded[key].dtype == t.dtype and loaded[key].shape == t.shape and loaded[key].device == device
+        assert (loaded[key].dtype, loaded[key].shape, loaded[key].device) == (t.dtype, t.shape, device)
         assert loaded[key].is_contiguous()
         assert_bytes_equal(loaded[key], t)
 
@@ -61,7 +61,7 @@ def test_small_tensors_share_allocations_and_large_ones_own_theirs(device: torch
                      if k != "large" and t.dtype == dtype)
         assert all(ptr - run[0][1] == offset - run[0][0] for offset, ptr in run)
     t = loaded["large"]
-    assert t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0  # freed when dropped
+    assert (t.untyped_storage().nbytes(), t.storage_offset()) == (t.nbytes, 0)  # freed when dropped
     if device.type == "cpu":  # host tensors own a storage over their bytes, as torch.load's do
         assert all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes for t in loaded.values())
     reader = ckptstream.open(path)

@@ -104,21 +104,28 @@ def _flush(out: Destinations, run: list[TensorInfo], data_start: int, device: to
 def _host_views(mv: memoryview, run: list[TensorInfo]) -> dict[str, torch.Tensor]:
     """Host tensors each with a storage of its own over its bytes in ``mv`` (storage offset 0,
     as some torch functions, e.g. ``torch.set_rng_state``, assume), all keeping the mapping alive."""
-    begin = run[0].begin
-    return {t.name: torch.frombuffer(mv[t.begin - begin : t.end - begin], dtype=t.dtype).view(t.shape) for t in run}
+    begin, views = run[0].begin, {}
+    for t in run:
+        flat = torch.frombuffer(mv[t.begin - begin : t.end - begin], dtype=t.dtype)
+        views[t.name] = flat if len(t.shape) == 1 else flat.view(t.shape)
+    return views
 
 
 def _device_views(memory: torch.Tensor, run: list[TensorInfo]) -> dict[str, torch.Tensor]:
     """Device tensors as views of the allocation (one call each)."""
     storage, base = memory.untyped_storage(), memory.storage_offset() - run[0].begin
     typed: dict[torch.dtype, torch.Tensor] = {}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # states repeat a few shapes many times
     views = {}
     for t in run:
         dtype, size = t.dtype, t.dtype.itemsize
         if dtype not in typed:
             typed[dtype] = torch.empty(0, dtype=dtype, device=memory.device).set_(
                 storage, 0, (storage.nbytes() // size,), (1,))
-        views[t.name] = typed[dtype].as_strided(t.shape, _strides(t.shape), (base + t.begin) // size)
+        shape = t.shape
+        if shape not in strides:
+            strides[shape] = _strides(shape)
+        views[t.name] = typed[dtype].as_strided(shape, strides[shape], (base + t.begin) // size)
     return views
 
 

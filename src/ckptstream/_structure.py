@@ -311,8 +311,11 @@ def _unflatten_dict(tag: str, body: list[Any], tensor_leaf: TensorLeaf, where: s
     for item in body:
         if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
             raise CorruptCheckpointError(f"{where}: bad dict entry at {key_str(path)}")
-        key = item[0]
-        pairs.append((key, unflatten(item[1], tensor_leaf, where, (*path, key))))
+        key, node = item
+        if type(node) is dict and len(node) == 1 and "tensor" in node:  # the common leaf, without a call
+            pairs.append((key, tensor_leaf((*path, key), node)))
+        else:
+            pairs.append((key, unflatten(node, tensor_leaf, where, (*path, key))))
     _check_int_keys(pairs, where, path)
     mapping = dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
     if len(mapping) != len(pairs):
