@@ -23,10 +23,13 @@ functions over bytes: no file I/O here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import operator
 import struct
 from collections.abc import Mapping
+from json.encoder import encode_basestring  # what json.dumps quotes str with (not ASCII-escaped)
 from typing import Any, NamedTuple
 
 import torch
@@ -99,12 +102,20 @@ def layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Tens
     """The tensor table of ``entries`` (name, dtype, shape) in safetensors' writer order (by
     dtype, widest first, then by name): every tensor starts aligned to its element size, and a
     flat dict gets the very offsets that ``safetensors.torch.save_file`` gives it."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
+    for entry in entries:  # a stable sort by name per dtype: no key tuple per entry (files hold many)
+        by_dtype.setdefault(entry[1], []).append(entry)
     infos, pos = [], 0
-    for name, dtype, shape in sorted(entries, key=lambda e: (_DTYPE_RANK[e[1]], e[0])):
-        nbytes = math.prod(shape) * dtype.itemsize
-        infos.append(TensorInfo(name, dtype, shape, pos, pos + nbytes))
-        pos += nbytes
+    for dtype in sorted(by_dtype, key=_DTYPE_RANK.__getitem__):
+        itemsize = dtype.itemsize
+        for name, _, shape in sorted(by_dtype[dtype], key=_name):
+            nbytes = math.prod(shape) * itemsize
+            infos.append(TensorInfo(name, dtype, shape, pos, pos + nbytes))
+            pos += nbytes
     return infos
+
+
+_name = operator.itemgetter(0)
 
 
 def _header_shape(dtype: str, shape: tuple[int, ...]) -> list[int]:
@@ -136,16 +147,31 @@ def encode(tensors: list[TensorInfo], metadata: Mapping[str, str], structure: st
         meta.update({FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure})
     if checksums:
         meta.update({CRC_KEY: "0" * 8 * len(tensors), HEADER_CRC_KEY: "0" * 8})
-    table: dict[str, Any] = {"__metadata__": meta} if meta else {}
-    for t in tensors:
-        name = DTYPE_NAMES[t.dtype]
-        table[t.name] = {"dtype": name, "shape": _header_shape(name, t.shape), "data_offsets": [t.begin, t.end]}
-    body = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode()
+    body = _table_json(tensors, meta).encode()
     size = round_up(8 + len(body), ALIGN) - 8
     if size > MAX_HEADER:
         raise ValueError(f"the header would be {size} bytes, over the {MAX_HEADER}-byte limit that safetensors "
                          "readers apply: keep large data in tensors, not in str/list leaves or metadata")
     return struct.pack("<Q", size) + body + b" " * (size - len(body))
+
+
+_json = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False)
+
+
+def _table_json(tensors: list[TensorInfo], meta: dict[str, str]) -> str:
+    """``_json({"__metadata__": meta, name: {"dtype", "shape", "data_offsets"}, ...})``, the
+    same text, with each tensor's entry written from a template per dtype and shape (a file may
+    hold hundreds of thousands of entries: a dict each costs more)."""
+    entries: dict[str, str] = {"__metadata__": _json(meta)} if meta else {}  # an equal name replaces, as in a dict
+    templates: dict[tuple[torch.dtype, tuple[int, ...]], str] = {}
+    for t in tensors:
+        template = templates.get((t.dtype, t.shape))
+        if template is None:
+            name = DTYPE_NAMES[t.dtype]
+            head = _json({"dtype": name, "shape": _header_shape(name, t.shape)})
+            template = templates[(t.dtype, t.shape)] = head[:-1] + ',"data_offsets":['
+        entries[t.name] = f"{template}{t.begin},{t.end}]}}"
+    return "{" + ",".join(f"{encode_basestring(k)}:{v}" for k, v in entries.items()) + "}"
 
 
 def fill(header: bytes, crcs: list[int]) -> bytes:

@@ -67,8 +67,11 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
         raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
         start = len(plan.header)
         with _gc.paused():
-            pieces = [Piece.of(t, start + i.begin) for t, i in zip(plan.tensors, plan.infos, strict=True)]
-        with progress_bar(progress, sum(p.nbytes for p in pieces), f"save {os.path.basename(os.fspath(path))}") as bar:
+            # all of each tensor's bytes (Piece.of, with the size the table already holds)
+            pieces = [Piece(t, start + i.begin, 0, i.end - i.begin)
+                      for t, i in zip(plan.tensors, plan.infos, strict=True)]
+        total = plan.infos[-1].end if plan.infos else 0  # the tensors lie back to back
+        with progress_bar(progress, total, f"save {os.path.basename(os.fspath(path))}") as bar:
             with _gc.paused():
                 engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar,
                                      stream=stream, after=after)

@@ -40,9 +40,8 @@ def key_str(path: KeyPath) -> str:
 def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every leaf with its key path; raises UnsupportedTypeError on anything not storable."""
     kind = _CONTAINERS.get(type(state))
-    if kind and len(path) >= MAX_DEPTH:
-        raise UnsupportedTypeError(f"{key_str(path)[:200]}: the state nests containers more than {MAX_DEPTH} deep; "
-                                   "ckptstream stores states up to that depth (or the state contains itself)")
+    if kind:
+        _check_depth(path)
     if kind in ("dict", "odict"):
         for key, value in state.items():
             _check_dict_key(key, path)
@@ -50,18 +49,30 @@ def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     elif kind:
         for i, value in enumerate(state):
             yield from walk(value, (*path, i))
-    elif state is None or type(state) in (bool, int, float, str):
-        if type(state) is str:
-            _check_text(state, path)
-        elif type(state) is int and state.bit_length() > INT_BITS:
-            _too_long(state, key_str(path))
+    else:
+        _check_leaf(state, path)
         yield path, state
-    elif isinstance(state, torch.Tensor):
-        _check_leaf_tensor(path, state)
-        yield path, state
+
+
+def _check_depth(path: KeyPath) -> None:
+    """Raises UnsupportedTypeError for a container at ``path`` nested past MAX_DEPTH."""
+    if len(path) >= MAX_DEPTH:
+        raise UnsupportedTypeError(f"{key_str(path)[:200]}: the state nests containers more than {MAX_DEPTH} deep; "
+                                   "ckptstream stores states up to that depth (or the state contains itself)")
+
+
+def _check_leaf(value: Any, path: KeyPath) -> None:
+    """Raises UnsupportedTypeError unless ``value`` (not a container) is a storable leaf."""
+    if value is None or type(value) in (bool, int, float, str):
+        if type(value) is str:
+            _check_text(value, path)
+        elif type(value) is int and value.bit_length() > INT_BITS:
+            _too_long(value, key_str(path))
+    elif isinstance(value, torch.Tensor):
+        _check_leaf_tensor(path, value)
     else:
         raise UnsupportedTypeError(
-            f"{key_str(path)}: cannot store a {type(state).__module__}.{type(state).__qualname__}; a state may hold "
+            f"{key_str(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; a state may hold "
             "dict, OrderedDict, list, tuple, torch.Tensor, None, bool, int, float and str (convert it first, "
             "e.g. int(x) for a numpy integer)"
         )
@@ -91,7 +102,21 @@ def _check_text(text: str, path: KeyPath) -> None:
                                    f"({e.reason} at {e.start}); store it as valid Unicode") from e
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_WHOLE_BYTE_DTYPES = frozenset(d for d, name in DTYPE_NAMES.items() if name != "F4")  # F4: see below
+
+
+def _plainly_storable(t: torch.Tensor) -> bool:
+    """The common tensor leaf, in a few attribute reads (a state may hold many thousands): a
+    plain dense CPU or CUDA tensor of a whole-byte safetensors dtype, which every check of
+    ``_check_leaf_tensor`` accepts."""
+    return (type(t) in _PLAIN_TENSORS and not t.is_nested and t.dtype in _WHOLE_BYTE_DTYPES
+            and t.layout is torch.strided and (t.is_cpu or t.is_cuda) and not t.is_quantized)
+
+
 def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
+    if _plainly_storable(t):
+        return
     where = key_str(path)
     if t.is_nested:  # strided, or jagged (a subclass): either way, its components are what to store
         raise UnsupportedTypeError(f"{where}: a nested tensor cannot be stored; store its components "
@@ -117,7 +142,7 @@ def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
         raise UnsupportedTypeError(f"{where}: a 0-d {t.dtype} tensor has no safetensors shape; store t.reshape(1)")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Record:
     """One row of the tensor table: a name and the tensor whose logical bytes it holds."""
 
@@ -130,6 +155,12 @@ class Record:
 class FlatState:
     tree: Any  # JSON-able
     records: list[Record]
+
+
+# A tensor leaf as flatten meets it: (key path, the name it asks for in the table, the tensor,
+# its node of the JSON tree, left empty until the table says how the tensor is stored). A plain
+# tuple: a state may hold hundreds of thousands of them.
+Leaf = tuple[KeyPath, str, torch.Tensor, dict[str, Any]]
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -146,57 +177,99 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...]:
 
 def flatten(state: Any) -> FlatState:
     """Split ``state`` into the tensor table and the JSON tree (raises before any I/O)."""
-    leaves, resolved = [], {}
-    for path, value in walk(state):
-        if isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg()):
-            # a lazy conjugate/negative view (z.conj(), z.conj().imag): its storage does not hold
-            # its values, so store a resolved copy, and not as a view of the shared storage
-            if id(value) not in resolved:
-                resolved[id(value)] = value.resolve_conj().resolve_neg()
-            value = resolved[id(value)]
-        leaves.append((path, value))
+    leaves: list[Leaf] = []
+    tree = _node(state, (), "tensor", leaves)
+    _resolve_lazy(leaves)
     names: dict[str, int] = {"__metadata__": 0}  # the header's own key is not a tensor name
     records: list[Record] = []
-    by_storage: dict[tuple[torch.device, int], list[tuple[KeyPath, torch.Tensor]]] = {}
-    for path, value in leaves:
-        if isinstance(value, torch.Tensor) and value.numel():
-            by_storage.setdefault((value.device, value.untyped_storage().data_ptr()), []).append((path, value))
-    node_of: dict[KeyPath, Any] = {}
 
-    def add_record(path: KeyPath, t: torch.Tensor, suffix: str = "") -> Record:
-        base = key_str(path) + suffix if path else "tensor"
-        name, n = base, names.get(base, 0)
-        while name in names:  # keys like "a.b" and ("a", "b") would collide
-            n += 1
-            name = f"{base}~{n}"
-        names[base] = n
+    def add_record(base: str, t: torch.Tensor, paths: list[KeyPath]) -> Record:
+        name = base
+        if base in names:  # keys like "a.b" and ("a", "b") would collide
+            n = names[base]
+            while name in names:
+                n += 1
+                name = f"{base}~{n}"
+            names[base] = n
         names.setdefault(name, 0)
-        record = Record(name, t, [path])
+        record = Record(name, t, paths)
         records.append(record)
         return record
 
     # a flat {str: tensor} state keeps every key a tensor name of the file (safetensors readers)
-    flat = type(state) in (dict, collections.OrderedDict) and all(len(p) == 1 for p, v in leaves
-                                                                 if isinstance(v, torch.Tensor))
-    for group in by_storage.values():
-        for component in _overlapping(group) if len(group) > 1 else []:
-            _share(component, add_record, node_of, flat)
-    for path, value in leaves:
-        if isinstance(value, torch.Tensor) and path not in node_of:
-            node_of[path] = {"tensor": add_record(path, value).name}
-    return FlatState(_encode(state, (), node_of), records)
+    flat = type(state) in (dict, collections.OrderedDict) and all(len(leaf[0]) == 1 for leaf in leaves)
+    for group in _by_storage(leaves):
+        for component in _overlapping(group):
+            _share(component, add_record, flat)
+    for path, name, t, node in leaves:
+        if not node:  # not stored by _share
+            node["tensor"] = add_record(name, t, [path]).name
+    return FlatState(tree, records)
 
 
-def _overlapping(group: list[tuple[KeyPath, torch.Tensor]]) -> list[list[tuple[KeyPath, torch.Tensor]]]:
+def _node(value: Any, path: KeyPath, name: str, leaves: list[Leaf]) -> Any:
+    """The JSON node of ``value`` at ``path``, checked as ``walk`` checks it (the same errors,
+    in the same order); a tensor leaf gets an empty node and joins ``leaves``, asking for
+    ``name`` (its key path joined by dots). (Written for speed: the plain tensor leaf costs a
+    few attribute reads, a dict's str keys an ASCII test.)"""
+    if type(value) in _PLAIN_TENSORS and _plainly_storable(value):  # the type first: no call for other nodes
+        node: dict[str, Any] = {}
+        leaves.append((path, name, value, node))
+        return node
+    kind = _CONTAINERS.get(type(value))
+    if kind is None:
+        _check_leaf(value, path)
+        if isinstance(value, torch.Tensor):
+            node = {}
+            leaves.append((path, name, value, node))
+            return node
+        if type(value) is float and not math.isfinite(value):
+            return {"float": repr(value)}
+        return value
+    _check_depth(path)
+    prefix = name + "." if path else ""
+    if kind == "dict" or kind == "odict":
+        items = []
+        for key, item in value.items():
+            if type(key) is not str or not key.isascii():  # ASCII text always encodes
+                _check_dict_key(key, path)
+            items.append([key, _node(item, (*path, key), prefix + str(key), leaves)])
+        return {kind: items}
+    return {kind: [_node(item, (*path, i), prefix + str(i), leaves) for i, item in enumerate(value)]}
+
+
+def _resolve_lazy(leaves: list[Leaf]) -> None:
+    """Replace each lazy conjugate/negative view (z.conj(), z.conj().imag) by a resolved copy,
+    one per tensor: its storage does not hold its values, so it is stored as the copy, and not
+    as a view of the shared storage."""
+    resolved: dict[int, torch.Tensor] = {}
+    for i, (path, name, t, node) in enumerate(leaves):
+        if t.is_conj() or t.is_neg():
+            if id(t) not in resolved:
+                resolved[id(t)] = t.resolve_conj().resolve_neg()
+            leaves[i] = (path, name, resolved[id(t)], node)
+
+
+def _by_storage(leaves: list[Leaf]) -> list[list[Leaf]]:
+    """The leaves with elements that share a storage with another leaf, by storage, in order."""
+    by_storage: dict[tuple[torch.device, int], list[Leaf]] = {}
+    for leaf in leaves:
+        t = leaf[2]
+        if t.numel():
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(leaf)
+    return [group for group in by_storage.values() if len(group) > 1]
+
+
+def _overlapping(group: list[Leaf]) -> list[list[Leaf]]:
     """Leaves of one storage, in components whose byte ranges overlap (sorted sweep)."""
-    items = sorted(group, key=lambda pt: _extent(pt[1]))
-    components: list[list[tuple[KeyPath, torch.Tensor]]] = []
+    items = sorted(group, key=lambda leaf: _extent(leaf[2]))
+    components: list[list[Leaf]] = []
     end = -1
-    for path, t in items:
-        lo, hi = _extent(t)
+    for leaf in items:
+        lo, hi = _extent(leaf[2])
         if lo >= end:
             components.append([])
-        components[-1].append((path, t))
+        components[-1].append(leaf)
         end = max(end, hi)
     return [c for c in components if len(c) > 1]
 
@@ -207,19 +280,19 @@ def view_limit(blob_nbytes: int) -> int:
     return max(VIEW_FLOOR, VIEW_RATIO * blob_nbytes)
 
 
-def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[..., Record],
-           node_of: dict[KeyPath, Any], flat: bool) -> None:
+def _share(component: list[Leaf], add_record: Callable[[str, torch.Tensor, list[KeyPath]], Record],
+           flat: bool) -> None:
     """Store overlapping leaves of one storage: identical ones once (the others as aliases of
     its record); different ones as views into one blob of the storage's bytes, which restores
     their sharing on load; or, in a flat state (whose keys must stay tensor names) and for views
     past ``view_limit``, each as its own bytes."""
-    distinct: dict[tuple[Any, ...], list[tuple[KeyPath, torch.Tensor]]] = {}
-    for path, t in component:
-        distinct.setdefault(_signature(t), []).append((path, t))
+    distinct: dict[tuple[Any, ...], list[Leaf]] = {}
+    for leaf in component:
+        distinct.setdefault(_signature(leaf[2]), []).append(leaf)
     viewed = [] if flat or len(distinct) == 1 else list(distinct.values())
     while len(viewed) > 1:  # the limit is the blob's, as a load checks it; a smaller blob may drop more
         lo, hi = _blob_range([leaf for same in viewed for leaf in same])
-        within = [same for same in viewed if same[0][1].numel() * same[0][1].element_size() <= view_limit(hi - lo)]
+        within = [same for same in viewed if same[0][2].numel() * same[0][2].element_size() <= view_limit(hi - lo)]
         if len(within) == len(viewed):
             break
         viewed = within
@@ -227,39 +300,26 @@ def _share(component: list[tuple[KeyPath, torch.Tensor]], add_record: Callable[.
         viewed = []
     for same in distinct.values():
         if not any(same is v for v in viewed):
-            record = add_record(same[0][0], same[0][1])
-            record.paths = [p for p, _ in same]
-            for p, _ in same:
-                node_of[p] = {"tensor": record.name}
+            _, name, t, _ = same[0]
+            record = add_record(name, t, [leaf[0] for leaf in same])
+            for leaf in same:
+                leaf[3]["tensor"] = record.name
     if not viewed:
         return
     leaves = [leaf for same in viewed for leaf in same]
     lo, hi = _blob_range(leaves)
-    first_path, first = leaves[0]
+    first_path, first_name, first, _ = leaves[0]
     blob = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
-    base = add_record(first_path, blob, suffix=".__storage__")
-    base.paths = []  # raw storage bytes, not a leaf of its own
-    for path, t in leaves:
-        node_of[path] = {"view": [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), _extent(t)[0] - lo]}
+    # raw storage bytes, not a leaf of its own
+    base = add_record(first_name + ".__storage__" if first_path else "tensor", blob, [])
+    for _, _, t, node in leaves:
+        node["view"] = [base.name, DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), _extent(t)[0] - lo]
 
 
-def _blob_range(leaves: list[tuple[KeyPath, torch.Tensor]]) -> tuple[int, int]:
+def _blob_range(leaves: list[Leaf]) -> tuple[int, int]:
     """The bytes of their storage that a blob of ``leaves`` holds."""
-    lo = min(_extent(t)[0] for _, t in leaves) // 16 * 16  # 16: any element size divides it
-    return lo, max(_extent(t)[1] for _, t in leaves)
-
-
-def _encode(value: Any, path: KeyPath, node_of: dict[KeyPath, Any]) -> Any:
-    kind = _CONTAINERS.get(type(value))
-    if kind in ("dict", "odict"):
-        return {kind: [[k, _encode(v, (*path, k), node_of)] for k, v in value.items()]}
-    if kind:
-        return {kind: [_encode(v, (*path, i), node_of) for i, v in enumerate(value)]}
-    if isinstance(value, torch.Tensor):
-        return node_of[path]
-    if type(value) is float and not math.isfinite(value):
-        return {"float": repr(value)}
-    return value
+    lo = min(_extent(leaf[2])[0] for leaf in leaves) // 16 * 16  # 16: any element size divides it
+    return lo, max(_extent(leaf[2])[1] for leaf in leaves)
 
 
 TensorLeaf = Callable[[KeyPath, dict[str, Any]], Any]

@@ -79,10 +79,10 @@ class Engine:
             device = self.device[i] = device_of(t)
             if not t.is_contiguous():
                 continue
-            if device is None and t.device.type == "cpu":
+            if device is None and t.is_cpu:
                 self.host[i] = host_bytes(t)
-            else:
-                self.flat[i] = flat_bytes(t)
+            else:  # a 1-d tensor (biases, norms: the many small ones) is flat already: one view, not two
+                self.flat[i] = t.view(torch.uint8) if t.dim() == 1 else flat_bytes(t)
 
     # --- from outside ---------------------------------------------------------------------
 

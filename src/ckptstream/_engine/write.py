@@ -16,7 +16,7 @@ from .._settings import ALIGN
 from .buffers import StagingBuffer
 from .engine import BATCH, Engine
 from .layout import copy_out
-from .plan import Chunk
+from .plan import Chunk, Part
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,16 +52,23 @@ class WriteEngine(Engine):
                 self.streams.enqueue(partial(copy_out, t, part.lo, part.hi, self.staged(buf, part)))
             elif len(parts) >= BATCH:
                 end = parts[-1].at + parts[-1].hi - parts[-1].lo
-                flats = [self.flat[p.piece][p.lo : p.hi] for p in parts]  # type: ignore[index]
+                flats = [self._bytes(p) for p in parts]
                 self.streams.enqueue(partial(_gather, flats, buf.tensor[part.at : end]))
             else:
                 for p in parts:
-                    self.streams.enqueue(partial(_copy, self.staged(buf, p), self.flat[p.piece][p.lo : p.hi]))  # type: ignore[index]
+                    self.streams.enqueue(partial(_copy, self.staged(buf, p), self._bytes(p)))
         for event in self.streams.record(d for d in devices if d is not None):
             event.synchronize()  # the buffer holds the chunk only once its copies are done
         if self.checksum:
             self.host_crcs(chunk, buf)
         self._write(chunk, buf)
+
+    def _bytes(self, part: Part) -> torch.Tensor:
+        """The part's bytes of its device piece: the flat view itself where the part is all of
+        it (small tensors: a slice costs more than their bytes' copy)."""
+        flat = self.flat[part.piece]
+        assert flat is not None
+        return flat if part.lo == 0 and part.hi == len(flat) else flat[part.lo : part.hi]
 
     def _write(self, chunk: Chunk, buf: StagingBuffer) -> None:
         """pwrite one chunk; with O_DIRECT the aligned middle goes direct, unaligned edges
