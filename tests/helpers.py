@@ -81,7 +81,8 @@ def is_poisoned(t: torch.Tensor) -> bool:
 
 def as_bytes(t: torch.Tensor) -> bytes:
     """The logical row-major bytes of ``t`` (what ``t.contiguous()`` holds), on the host."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # fresh strides: size-1 dims may carry any
+    return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def nbytes(t: torch.Tensor) -> int:

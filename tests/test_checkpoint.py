@@ -23,6 +23,7 @@ from torch import nn
 
 import ckptstream
 from ckptstream import _fileio, _header, _publish
+from ckptstream._engine.layout import flat_bytes
 from ckptstream._header import DTYPE_NAMES
 from helpers import EDGE_CASES, Resources, assert_bytes_equal, header_of, random_bytes, random_tensor
 
@@ -630,3 +631,21 @@ def test_progress_bar_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert out == ""
     assert "load ckpt.safetensors" in err
     assert "100%" in err
+
+
+def test_contiguous_tensors_with_odd_strides_on_size_1_dimensions(device: torch.device, tmp_path: Path) -> None:
+    # contiguous, yet their size-1 dimensions carry strides other than 1 (which a dtype view refuses)
+    base = random_tensor((4, 4), torch.float32, device)
+    state = {"one": base[:, 1][:1], "row": base[1:2, :].t()[:, :1], "col": base[:, 2:3][:1]}
+    assert all(t.is_contiguous() for t in state.values())
+    assert state["one"].stride() == (4,)
+    assert_bytes_equal(flat_bytes(state["one"]).numpy().tobytes(), state["one"])  # the device path's byte view
+    ckptstream.save(state, tmp_path / "c.safetensors")
+    for loaded in (ckptstream.load(tmp_path / "c.safetensors", device=device),
+                   ckptstream.load_into({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "c.safetensors")):
+        for key, t in state.items():
+            assert_bytes_equal(loaded[key], t)
+    odd = {"one": torch.zeros(4, 4, device=device)[:, 1][:1]}  # load_into such a view itself
+    with pytest.warns(ckptstream.StateMismatchWarning, match="unexpected"):
+        ckptstream.load_into(odd, tmp_path / "c.safetensors", strict=False)
+    assert_bytes_equal(odd["one"], state["one"])

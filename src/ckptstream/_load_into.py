@@ -19,11 +19,12 @@ import torch
 from . import _gc
 from ._engine import check_tensor
 from ._errors import StateMismatchError, StateMismatchWarning
+from ._flatten import walk
 from ._header import empty_tensor
 from ._load import checksum_argument, open
 from ._reader import CheckpointReader, TensorEntry, target_device
 from ._settings import INHERIT
-from ._structure import KeyPath, key_str, make_view, walk
+from ._structure import KeyPath, key_str, make_view
 
 
 def _memory(t: torch.Tensor) -> tuple[object, ...]:

@@ -19,11 +19,11 @@ from . import _fileio, _gc, _header
 from ._engine import Mark, Piece, WriteEngine, interrupts_deferred
 from ._engine.control import raise_if_interrupted
 from ._errors import UnsupportedTypeError
+from ._flatten import flatten
 from ._header import TensorInfo
 from ._progress import progress_bar
 from ._publish import atomic_file
 from ._settings import INHERIT, Settings, call_settings
-from ._structure import flatten
 
 
 @dataclasses.dataclass

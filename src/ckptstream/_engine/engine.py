@@ -82,7 +82,7 @@ class Engine:
             if device is None and t.is_cpu:
                 self.host[i] = host_bytes(t)
             else:  # a 1-d tensor (biases, norms: the many small ones) is flat already: one view, not two
-                self.flat[i] = t.view(torch.uint8) if t.dim() == 1 else flat_bytes(t)
+                self.flat[i] = t.view(torch.uint8) if t.dim() == 1 and t.stride(0) == 1 else flat_bytes(t)
 
     # --- from outside ---------------------------------------------------------------------
 

@@ -43,8 +43,9 @@ def check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of a contiguous tensor's bytes (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
+    """A uint8 view of a contiguous tensor's bytes (no copy). (A contiguous tensor's dimensions
+    of size 1 may have any stride, which ``reshape`` keeps and a dtype view refuses.)"""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
