@@ -640,9 +640,10 @@ def test_contiguous_tensors_with_odd_strides_on_size_1_dimensions(device: torch.
     assert all(t.is_contiguous() for t in state.values())
     assert state["one"].stride() == (4,)
     assert_bytes_equal(flat_bytes(state["one"]).numpy().tobytes(), state["one"])  # the device path's byte view
-    ckptstream.save(state, tmp_path / "c.safetensors")
-    for loaded in (ckptstream.load(tmp_path / "c.safetensors", device=device),
-                   ckptstream.load_into({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "c.safetensors")):
+    path = tmp_path / "c.safetensors"
+    ckptstream.save(state, path)
+    for loaded in (ckptstream.load(path, device=device),
+                   ckptstream.load_into({k: torch.empty_like(v) for k, v in state.items()}, path)):
         for key, t in state.items():
             assert_bytes_equal(loaded[key], t)
     odd = {"one": torch.zeros(4, 4, device=device)[:, 1][:1]}  # load_into such a view itself
