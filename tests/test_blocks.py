@@ -42,7 +42,7 @@ def test_a_load_returns_every_tensor_exactly(device: torch.device, buffer_size: 
     loaded = ckptstream.load(path, device=device, buffer_size=buffer_size)  # chunks cut runs and elements
     assert list(loaded) == list(state)
     for key, t in state.items():
-        assert (loaded[key].dtype, loaded[key].shape, loaded[key].device) == (t.dtype, t.shape, device)
+        assert (loaded[key].dtype, loaded[key].shape, loaded[key].device) == (t.dtype, t.shape, t.device)
         assert loaded[key].is_contiguous()
         assert_bytes_equal(loaded[key], t)
 
