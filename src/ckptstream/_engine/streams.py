@@ -20,7 +20,7 @@ a missing wait shows on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,9 +48,15 @@ class CudaDevices:
     def new_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)  # from torch's stream pool: cheap
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Make ``stream`` current in this thread (copies to or from a tensor of its device go to it)."""
-        return torch.cuda.stream(stream)
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[Any]:
+        """Make ``stream`` current in this thread (copies to or from a tensor of its device go to it).
+
+        Its device first: an I/O thread starts on device 0, where a stream context would first
+        look up the current stream, which creates a CUDA context on device 0 (over 90 MiB of host
+        memory, and GPU memory) in a process whose tensors live on another GPU."""
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            yield stream
 
     def event(self) -> Any:
         return torch.cuda.Event(blocking=True)  # I/O threads sleep on it instead of spinning a core
