@@ -337,3 +337,22 @@ def spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
     monkeypatch.setattr(POOL, "acquire", spy)
     return taken
+
+
+def assert_same_state(actual: Any, expected: Any, where: str = "state", device: str | None = None) -> None:
+    """Equal containers (types, key order and key types), leaves, tensors (dtype, shape, bytes;
+    on ``device``'s type, if given)."""
+    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert device is None or actual.device.type == device, where
+        assert_bytes_equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert [(type(k), k) for k in actual] == [(type(k), k) for k in expected], where
+        for k in expected:
+            assert_same_state(actual[k], expected[k], f"{where}.{k}", device)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state(a, e, f"{where}.{i}", device)
+    else:
+        assert actual == expected, where

@@ -9,13 +9,12 @@ import inspect
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
 
 import ckptstream
-from helpers import as_bytes, assert_bytes_equal, random_tensor
+from helpers import as_bytes, assert_bytes_equal, assert_same_state, random_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -128,23 +127,6 @@ def _format_v1() -> ModuleType:
     return module
 
 
-def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
-    """Equal containers (types, key order and key types), leaves, tensors (dtype, shape, bytes)."""
-    assert type(actual) is type(expected), f"{where}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert_bytes_equal(actual, expected)
-    elif isinstance(expected, dict):
-        assert [(type(k), k) for k in actual] == [(type(k), k) for k in expected], where
-        for k in expected:
-            assert_same(actual[k], expected[k], f"{where}.{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}.{i}")
-    else:
-        assert actual == expected, where
-
-
 def test_a_0_1_0_file_loads_to_the_same_state() -> None:
     fixture = _format_v1()
     path = DATA / "format_v1.safetensors"
@@ -152,7 +134,7 @@ def test_a_0_1_0_file_loads_to_the_same_state() -> None:
     ckptstream.verify(path)
     assert ckptstream.read_metadata(path) == fixture.METADATA
     loaded = ckptstream.load(path)
-    assert_same(loaded, expected)
+    assert_same_state(loaded, expected)
     model = loaded["model"]
     assert model["emb"] is model["head"]  # the tensor saved twice is one tensor
     assert model["w_t"].untyped_storage().data_ptr() == model["w"].untyped_storage().data_ptr()
@@ -161,7 +143,7 @@ def test_a_0_1_0_file_loads_to_the_same_state() -> None:
     for t in (targets["model"]["w"], targets["model"]["emb"], targets["optim"][0]["exp_avg"]):
         t.zero_()
     ckptstream.load_into(targets, path)
-    assert_same(targets, expected)
+    assert_same_state(targets, expected)
 
 
 def test_saving_the_same_state_writes_the_same_bytes(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from helpers import (
     EDGE_CASES,
     MiB,
     assert_bytes_equal,
+    assert_same_state,
     engine_threads,
     header_of,
     open_fds,
@@ -52,24 +53,6 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_mapped, "THREADED_FROM", 1)
     monkeypatch.setattr(_mapped, "THREADED_MEAN", 1)
     monkeypatch.setattr(_mapped, "threads", lambda io, hot: 3)
-
-
-def assert_same_state(actual: Any, expected: Any, where: str = "state") -> None:
-    """Same containers, keys and leaves; tensors equal byte for byte, with dtype and shape."""
-    assert type(actual) is type(expected), where
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for k in expected:
-            assert_same_state(actual[k], expected[k], f"{where}.{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same_state(a, e, f"{where}.{i}")
-    elif isinstance(expected, torch.Tensor):
-        assert actual.device.type == "cpu", where
-        assert_bytes_equal(actual, expected)
-    else:
-        assert actual == expected, where
 
 
 def is_mapped(t: torch.Tensor, path: Path) -> bool:
@@ -111,8 +94,8 @@ def test_edge_cases_load_as_the_copying_load_and_safetensors(tmp_path: Path) -> 
     path = tmp_path / "edge.safetensors"
     ckptstream.save(state, path)
     mapped = ckptstream.load(path, mmap=True)
-    assert_same_state(mapped, ckptstream.load(path))
-    assert_same_state(mapped, {k: v.contiguous() for k, v in state.items()})
+    assert_same_state(mapped, ckptstream.load(path), device="cpu")
+    assert_same_state(mapped, {k: v.contiguous() for k, v in state.items()}, device="cpu")
     with safetensors.safe_open(str(path), "pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             assert_bytes_equal(mapped[key], f.get_tensor(key))
@@ -131,8 +114,8 @@ def test_nested_state_with_shared_tensors_and_views(tmp_path: Path, small_pieces
     path = tmp_path / "nested.safetensors"
     ckptstream.save(state, path)
     mapped = ckptstream.load(path, mmap=True)
-    assert_same_state(mapped, ckptstream.load(path))
-    assert_same_state(mapped, state)
+    assert_same_state(mapped, ckptstream.load(path), device="cpu")
+    assert_same_state(mapped, state, device="cpu")
     m = mapped["model"]
     assert m["w"] is m["tied"]
     assert m["rows"].untyped_storage().data_ptr() == m["base"].untyped_storage().data_ptr()
@@ -146,7 +129,7 @@ def test_reader_load_with_mmap(tmp_path: Path) -> None:
     ckptstream.save(state, tmp_path / "s.safetensors")
     with ckptstream.open(tmp_path / "s.safetensors") as reader:
         mapped = reader.load(mmap=True)
-    assert_same_state(mapped, state)
+    assert_same_state(mapped, state, device="cpu")
 
 
 def test_large_tensors_are_checksummed_in_pieces_on_threads(tmp_path: Path) -> None:
@@ -155,14 +138,14 @@ def test_large_tensors_are_checksummed_in_pieces_on_threads(tmp_path: Path) -> N
     state = {"big": big, "small": random_tensor((77,), torch.float16)}
     ckptstream.save(state, tmp_path / "big.safetensors")
     assert _mapped.threads(1, 16) == min(16, os.cpu_count() or 1)
-    assert_same_state(ckptstream.load(tmp_path / "big.safetensors", mmap=True), state)
+    assert_same_state(ckptstream.load(tmp_path / "big.safetensors", mmap=True), state, device="cpu")
     assert engine_threads() == []
 
 
 def test_file_without_tensors_or_bytes(tmp_path: Path) -> None:
     state = {"empty": torch.empty(0, 5), "step": 1}
     ckptstream.save(state, tmp_path / "e.safetensors")
-    assert_same_state(ckptstream.load(tmp_path / "e.safetensors", mmap=True), state)
+    assert_same_state(ckptstream.load(tmp_path / "e.safetensors", mmap=True), state, device="cpu")
     ckptstream.save({"step": 2}, tmp_path / "none.safetensors")
     assert ckptstream.load(tmp_path / "none.safetensors", mmap=True) == {"step": 2}
 
@@ -189,7 +172,7 @@ def test_foreign_file_with_unaligned_offsets(tmp_path: Path, small_pieces: None)
     for key, t in expected.items():
         assert_bytes_equal(mapped[key], t)
         assert mapped[key].data_ptr() % mapped[key].element_size() == 0, key  # unaligned ones are copied
-    assert_same_state(mapped, ckptstream.load(path))
+    assert_same_state(mapped, ckptstream.load(path), device="cpu")
     with safetensors.safe_open(str(path), "pt") as f:
         for key in ("a", "f32", "f64", "i16", "none"):
             assert_bytes_equal(mapped[key], f.get_tensor(key))
@@ -201,7 +184,7 @@ def test_file_of_safetensors_save_file(tmp_path: Path) -> None:
     state = {"x": random_tensor((33, 5)), "y": random_tensor((8,), torch.bfloat16), "z": random_tensor((0,))}
     safetensors.torch.save_file(state, str(tmp_path / "st.safetensors"))
     mapped = ckptstream.load(tmp_path / "st.safetensors", mmap=True)  # no checksums stored: none to verify
-    assert_same_state(dict(sorted(mapped.items())), dict(sorted(state.items())))
+    assert_same_state(dict(sorted(mapped.items())), dict(sorted(state.items())), device="cpu")
 
 
 # --- checksums --------------------------------------------------------------------------------
@@ -248,7 +231,7 @@ def test_without_checksums_nothing_is_read_up_front(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(_mapped, "span_crcs", no_reads)  # the data's checksums (not the header's)
     monkeypatch.setattr(_mapped.Mapping, "advise", no_reads)
-    assert_same_state(ckptstream.load(tmp_path / "s.safetensors", mmap=True, checksum=False), state)
+    assert_same_state(ckptstream.load(tmp_path / "s.safetensors", mmap=True, checksum=False), state, device="cpu")
     with pytest.raises(AssertionError, match="read up front"):
         ckptstream.load(tmp_path / "s.safetensors", mmap=True)
 
@@ -266,8 +249,8 @@ def test_writes_to_the_tensors_stay_private(tmp_path: Path) -> None:
     mapped["i"].fill_(7)
     assert mapped["i"].eq(7).all()
     assert path.read_bytes() == before
-    assert_same_state(ckptstream.load(path, mmap=True), state)
-    assert_same_state(ckptstream.load(path), state)
+    assert_same_state(ckptstream.load(path, mmap=True), state, device="cpu")
+    assert_same_state(ckptstream.load(path), state, device="cpu")
 
 
 def test_a_file_replaced_by_a_save_leaves_the_tensors_intact(tmp_path: Path) -> None:
@@ -277,8 +260,8 @@ def test_a_file_replaced_by_a_save_leaves_the_tensors_intact(tmp_path: Path) -> 
     mapped = ckptstream.load(path, mmap=True, checksum=False)  # nothing read yet
     new = {"w": random_tensor((300_000,)), "b": random_tensor((17,), torch.bfloat16)}
     ckptstream.save(new, path)  # a new file renamed over the old one
-    assert_same_state(mapped, old)
-    assert_same_state(ckptstream.load(path, mmap=True), new)
+    assert_same_state(mapped, old, device="cpu")
+    assert_same_state(ckptstream.load(path, mmap=True), new, device="cpu")
 
 
 def test_no_descriptor_stays_open_and_the_mapping_goes_with_the_tensors(tmp_path: Path) -> None:
@@ -327,7 +310,7 @@ def test_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None
     pytest.importorskip("tqdm")
     state = {"a": random_tensor((MiB,))}
     ckptstream.save(state, tmp_path / "p.safetensors")
-    assert_same_state(ckptstream.load(tmp_path / "p.safetensors", mmap=True, progress=True), state)
+    assert_same_state(ckptstream.load(tmp_path / "p.safetensors", mmap=True, progress=True), state, device="cpu")
     assert "load p.safetensors" in capfd.readouterr().err
 
 
