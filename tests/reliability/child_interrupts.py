@@ -94,6 +94,8 @@ def snapshot(directory: str) -> dict[str, object]:
 
 def main() -> int:
     directory, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # a shell that starts a job in the background has it ignore SIGINT; Ctrl-C is what is tested here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(seed)
     _fileio.pwrite_all = slowed(_fileio.pwrite_all)
     _fileio.pread_into = slowed(_fileio.pread_into)

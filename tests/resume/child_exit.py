@@ -60,4 +60,6 @@ def main(case: str, path: str) -> None:
 
 
 if __name__ == "__main__":
+    # a shell that starts a job in the background has it ignore SIGINT; Ctrl-C is what is tested here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1], sys.argv[2])
