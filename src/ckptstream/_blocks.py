@@ -47,7 +47,8 @@ class Destinations:
 
 def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             alone: Collection[str] = ()) -> Destinations:
-    """Allocate every stored tensor of ``infos`` (in file order) on ``device`` in few allocations;
+    """Allocate every stored tensor of ``infos`` (in file order, back to back: as a decoded header
+    holds them) on ``device`` in few allocations;
     those named in ``alone`` (the bases of views, which may view their bytes as any dtype) get an
     allocation of their own."""
     out = Destinations({}, [], [], [])
@@ -59,17 +60,15 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             run = []
             out.tensors[t.name] = _alone(out, t, data_start, device)
             continue
-        if run and (t.nbytes >= SMALL or t.end - run[0].begin > BLOCK or t.begin < run[-1].end):
+        if t.nbytes >= SMALL or (run and t.end - run[0].begin > BLOCK):
             _flush(out, run, data_start, device)
             run = []
         run.append(t)
-        if t.nbytes >= SMALL:  # alone: dropping it frees its memory
+        if t.nbytes >= SMALL:  # a run of its own: dropping it frees its memory
             _flush(out, run, data_start, device)
             run = []
     _flush(out, run, data_start, device)
-    order = sorted(range(len(out.spans)), key=out.spans.__getitem__)
-    out.spans, out.names = [out.spans[i] for i in order], [out.names[i] for i in order]
-    return out
+    return out  # runs are flushed in file order: so are the spans
 
 
 def _alone(out: Destinations, t: TensorInfo, data_start: int, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ._structure import INT_BITS, MAX_DEPTH, KeyPath, key_str, view_limit
 
 _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
 
+
 def walk(state: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every leaf with its key path; raises UnsupportedTypeError on anything not storable."""
     kind = _CONTAINERS.get(type(state))

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _checksum, _gc
-from ._errors import CorruptCheckpointError, TruncatedFileError
+from ._engine import control
+from ._errors import TruncatedFileError
 from ._fileio import os_error, round_down
 from ._header import TensorInfo, empty_tensor
 from ._progress import progress_bar
@@ -120,11 +121,7 @@ def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: 
         if checksum and header.crcs is not None:
             spans = [(base + t.begin, base + t.end) for t in infos]
             computed = span_crcs(mapping, spans, threads(reader._cfg.io_threads, reader._cfg.hot_io_threads), bar)
-            for t, stored, got in zip(infos, header.crcs, computed, strict=True):
-                if stored != got:
-                    raise CorruptCheckpointError(
-                        f"{reader.path}: {reader._keys_of(t.name)} fails its CRC-32C check (stored {stored:08x}, "
-                        f"computed {got:08x}): its data is corrupt; restore it from another checkpoint or copy")
+            reader._compare([(t.name, crc) for t, crc in zip(infos, header.crcs, strict=True)], computed)
         elif bar is not None:
             bar(header.data_bytes)
     with _gc.paused():
@@ -184,28 +181,13 @@ def span_crcs(mapping: Mapping, spans: Sequence[tuple[int, int]], nthreads: int,
             started.append(w)
         work(*runs[0])
     finally:
-        _join(started, stop)
+        control.join(started, on_interrupt=stop.set)  # each worker stops after its current piece
     if errors:
         raise errors[0]
     values = [0] * len(spans)
     for (i, lo, hi), crc in zip(parts, crcs, strict=True):
         values[i] = _checksum.combine(values[i], crc, hi - lo)
     return values
-
-
-def _join(workers: Sequence[threading.Thread], stop: threading.Event) -> None:
-    """Join every worker, also when interrupted (then they are told to stop, and the first
-    interruption is raised once all have ended)."""
-    interrupted: BaseException | None = None
-    for w in workers:
-        while w.is_alive():
-            try:
-                w.join()
-            except BaseException as e:  # Ctrl-C: each worker stops after its current piece
-                stop.set()
-                interrupted = interrupted or e
-    if interrupted is not None:
-        raise interrupted
 
 
 def _pieces(spans: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:

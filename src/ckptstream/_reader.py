@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _blocks, _fileio, _gc, _header
+from . import _blocks, _fileio, _gc, _header, _mapped
 from ._engine import Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
 from ._header import Header, empty_tensor
@@ -241,7 +241,7 @@ class CheckpointReader:
         stored tensor is compared with its CRC-32C."""
         outs: list[torch.Tensor] = []
         pieces: list[Piece] = []
-        whole: list[tuple[int, TensorEntry]] = []  # (its piece, entry) per request to verify
+        whole: list[tuple[int, str, int]] = []  # (its piece, stored name, CRC) per request to verify
         for key, offsets, lengths, into in requests:
             e = self.entry(key)
             offsets, lengths = normalize_box(e.shape, offsets, lengths, e.key)
@@ -253,7 +253,7 @@ class CheckpointReader:
             if e.view is None:
                 runs = slice_pieces(dst, e.shape, offsets, e.offset)
                 if checksum and e.checksum is not None and len(runs) == 1 and runs[0].nbytes == e.end - e.offset:
-                    whole.append((len(pieces), e))  # the whole tensor: one piece
+                    whole.append((len(pieces), e.stored_as, e.checksum))  # the whole tensor: one piece
                 pieces += runs
             else:  # a view's elements are not row-major in the file: through the whole view
                 box = self.read(key, device=dst.device, checksum=False)
@@ -261,11 +261,7 @@ class CheckpointReader:
                     dst.copy_(box[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
             outs.append(dst)
         crcs = ReadEngine(self._file, pieces, self._cfg, checksum=bool(whole)).run()
-        for i, e in whole:
-            if crcs[i] != e.checksum:
-                raise CorruptCheckpointError(
-                    f"{self.path}: {self._keys_of(e.stored_as)} fails its CRC-32C check (stored {e.checksum:08x}, "
-                    f"computed {crcs[i]:08x}): its data is corrupt; restore it from another checkpoint or copy")
+        self._compare([(name, crc) for _, name, crc in whole], [crcs[i] for i, _, _ in whole])
         return outs
 
     def get_slice(self, key: Key) -> TensorSlice:
@@ -280,8 +276,6 @@ class CheckpointReader:
         dev = as_device(device)
         dev = dev if dev.type == "meta" else target_device(dev)
         if mmap:
-            from . import _mapped
-
             tensors = _mapped.mapped_tensors(self, dev, checksum=checksum, progress=progress)
         elif dev.type == "meta":
             tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
@@ -320,7 +314,7 @@ class CheckpointReader:
                                     spans=spans)
             return engine.run()
 
-    def _compare(self, stored: list[tuple[str, int]], got: list[int]) -> None:
+    def _compare(self, stored: Sequence[tuple[str, int]], got: Sequence[int]) -> None:
         """Raise for the first tensor whose computed CRC-32C is not the stored one."""
         for (name, crc), computed in zip(stored, got, strict=False):  # got is empty without checksums
             if crc != computed:

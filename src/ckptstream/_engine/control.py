@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from .._errors import CkptStreamError
 
@@ -104,9 +104,9 @@ def interrupts_deferred(stop: Callable[[], None] | None = None) -> Iterator[None
                 raise KeyboardInterrupt  # chained to an exception the block raised, if any
 
 
-def join(threads: list[threading.Thread]) -> None:
+def join(threads: Sequence[threading.Thread], on_interrupt: Callable[[], None] | None = None) -> None:
     """Join every thread; a KeyboardInterrupt (a program's own SIGINT handler, outside a deferred
-    scope) is held back until all are joined."""
+    scope) is held back until all are joined, calling ``on_interrupt`` (to tell them to stop)."""
     pending: BaseException | None = None
     for thread in threads:
         while True:
@@ -115,6 +115,8 @@ def join(threads: list[threading.Thread]) -> None:
                 break
             except KeyboardInterrupt as e:
                 pending = pending or e
+                if on_interrupt is not None:
+                    on_interrupt()
     if pending is not None:
         raise pending
 

@@ -81,8 +81,8 @@ class Engine:
                 continue
             if device is None and t.is_cpu:
                 self.host[i] = host_bytes(t)
-            else:  # a 1-d tensor (biases, norms: the many small ones) is flat already: one view, not two
-                self.flat[i] = t.view(torch.uint8) if t.dim() == 1 and t.stride(0) == 1 else flat_bytes(t)
+            else:
+                self.flat[i] = flat_bytes(t)
 
     # --- from outside ---------------------------------------------------------------------
 
@@ -230,9 +230,4 @@ class Engine:
         if run:
             yield "device", run
 
-    def host_crcs(self, chunk: Chunk, buf: StagingBuffer, skip: Sequence[bool] = ()) -> None:
-        """Note the CRC-32C of each of the chunk's parts, from the staging buffer (but those of
-        pieces checksummed elsewhere)."""
-        self.part_crcs[chunk.index] = [
-            (p.piece, _checksum.crc_of(buf.view[p.at : p.at + p.hi - p.lo]), p.hi - p.lo)
-            for p in chunk.parts if not (skip and skip[p.piece])]
+

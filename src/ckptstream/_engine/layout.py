@@ -43,8 +43,11 @@ def check_tensor(t: object, name: str, writable: bool = False) -> torch.Tensor:
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of a contiguous tensor's bytes (no copy). (A contiguous tensor's dimensions
-    of size 1 may have any stride, which ``reshape`` keeps and a dtype view refuses.)"""
+    """A uint8 view of a contiguous tensor's bytes (no copy). A 1-d tensor with unit stride (the
+    many small biases and norms) takes one view; any other goes through ``as_strided``, as a
+    contiguous tensor's dimensions of size 1 may have any stride, which a dtype view refuses."""
+    if t.dim() == 1 and t.stride(0) == 1:
+        return t.view(torch.uint8)
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 

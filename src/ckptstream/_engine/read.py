@@ -215,10 +215,8 @@ class ReadEngine(Engine):
             self._truncated(lo + got)
 
     def _result(self) -> list[int]:
-        if not self.checksum:
-            values = []
-        else:
-            values = _checksum.span_crcs(len(self.pieces if self._spans is None else self._spans), self.part_crcs)
+        count = len(self.pieces if self._spans is None else self._spans)
+        values = _checksum.span_crcs(count, self.part_crcs) if self.checksum else []
         if any(self.on_device):
             with self.streams.copying():  # queued after the copies
                 for picked in self._on_device_by_device().values():

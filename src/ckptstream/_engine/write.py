@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-from .. import _fileio
+from .. import _checksum, _fileio
 from .._settings import ALIGN
 from .buffers import StagingBuffer
 from .engine import BATCH, Engine
@@ -60,7 +60,9 @@ class WriteEngine(Engine):
         for event in self.streams.record(d for d in devices if d is not None):
             event.synchronize()  # the buffer holds the chunk only once its copies are done
         if self.checksum:
-            self.host_crcs(chunk, buf)
+            view = buf.view  # the CRC-32C of each of the chunk's parts
+            self.part_crcs[chunk.index] = [(p.piece, _checksum.crc_of(view[p.at : p.at + p.hi - p.lo]), p.hi - p.lo)
+                                           for p in chunk.parts]
         self._write(chunk, buf)
 
     def _bytes(self, part: Part) -> torch.Tensor:
