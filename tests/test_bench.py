@@ -5,8 +5,10 @@ the targets, and the package's own structure (public API only, imports one way).
 from __future__ import annotations
 
 import ast
+import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import re
 import subprocess
@@ -398,6 +400,39 @@ def test_touch_brings_a_mapped_load_into_memory(tmp_path: Path) -> None:
     measure.touch(loaded)
     assert measure.rss_bytes() - before >= 0.9 * nbytes  # every page of the mapping was read in
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def _present_pages(first: int, count: int) -> list[bool]:
+    """Whether each of ``count`` pages from page number ``first`` is mapped (/proc/self/pagemap)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read(count * 8)
+    return [bool(int.from_bytes(raw[i : i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
+
+
+@pytest.mark.parametrize("pages", [1, 3, 40], ids=["in-one-page", "across-pages", "large"])
+def test_touch_reads_every_page_of_each_tensor_and_no_other(pages: int) -> None:
+    """On fresh anonymous memory (no page is in until it is read, and no neighbour comes with it),
+    touch brings in exactly the pages that hold tensors' bytes: small and large tensors alike."""
+    page = measure.PAGE
+    area = mmap.mmap(-1, 64 * page * (pages + 2))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area)) // page
+    state, want = {}, [False] * (len(area) // page)
+    for i in range(24):  # every tensor starts mid-page and is followed by a page it must not touch
+        at = i * (pages + 2) * page + 100 + 8 * i
+        nbytes = (pages - 1) * page + 16 if pages > 1 else 64
+        state[f"t{i}"] = torch.frombuffer(area, dtype=torch.float32, offset=at, count=nbytes // 4)
+        for p in range(at // page, (at + nbytes - 1) // page + 1):
+            want[p] = True
+    strided = torch.frombuffer(area, dtype=torch.int64, offset=30 * (pages + 2) * page, count=pages * page // 8)
+    state["strided"] = strided[:: max(1, page // 8 // 2)]  # steps of half a page: every page of its reach
+    for p in range(30 * (pages + 2), 30 * (pages + 2) + pages):
+        want[p] = True
+    assert not any(_present_pages(base, len(want)))
+    measure.touch(state)
+    assert _present_pages(base, len(want)) == want
+    del state, strided
+    area.close()
 
 
 BENCH = Path(worker.__file__).parent

@@ -18,6 +18,7 @@ from .state import iter_tensors
 
 T = TypeVar("T")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+SMALL_PAGES = 16  # touch() reads tensors of fewer pages through ctypes
 
 
 def _status_kib(field: str) -> int:
@@ -105,14 +106,26 @@ def touch(state: Any) -> None:
 
     torch.load(mmap=True), and safetensors on the CPU, map the file and return before the data
     has been read; a load has finished only once the data is in memory, so every load is timed
-    with this included (it costs one read per page where the memory is resident already).
+    with this included (it costs one read per page where the memory is resident already). A
+    tensor of a few pages is read byte by byte through ctypes, which costs a fraction of a torch
+    operation's launch, so that a state of many small tensors is not charged for the measuring.
     """
     for _, t in iter_tensors(state):
         if t.device.type != "cpu" or not t.numel():
             continue
-        data = t.reshape(-1).view(torch.uint8)
-        # the tensor's first page, then every page boundary inside it: its last, partial page too
-        boundary = -data.data_ptr() % PAGE
+        begin = t.data_ptr()
+        reach = t.nbytes if t.is_contiguous() else (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(),
+                                                                                       strict=True))) * t.element_size()
+        first, last = begin // PAGE, (begin + reach - 1) // PAGE
+        if last - first < SMALL_PAGES:
+            ctypes.string_at(begin, 1)
+            for page in range(first + 1, last + 1):
+                ctypes.string_at(page * PAGE, 1)
+            continue
+        data = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                                      (reach,), (1,))
+        # the tensor's first page, then every page boundary inside its reach: its last, partial page too
+        boundary = -begin % PAGE
         data[:1].sum()
         data[boundary::PAGE].sum()
 
