@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 import torch
@@ -125,6 +125,13 @@ class SimDevices:
         stream.enqueue(lambda: out.extend(crc32c.crc32c(t.numpy().tobytes()) for t in tensors))
         stream.synchronize()
         return out
+
+    def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
+        return bool(begins)
+
+    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
+        """As ``checksums``, of ranges of one tensor's bytes."""
+        return self.checksums([memory[b:e] for b, e in zip(begins, ends, strict=True)])
 
     def producer(self, work: Callable[[], None]) -> None:
         """Queue ``work`` on the caller's stream, as a kernel that writes a tensor would be."""

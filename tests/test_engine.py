@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -228,6 +229,37 @@ def test_reads_with_holes_and_overlaps(tmp_path: Path) -> None:
                         crc(raw[30000:33000])]
         for t in (whole, overlap, far, part):
             poison(t)
+    assert_idle()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spans_get_a_checksum_each_however_chunks_cut_them(device: torch.device, tmp_path: Path, seed: int) -> None:
+    """Pieces that each hold many spans (as a whole load's runs of small tensors do), random span
+    lengths, chunks that cut spans, hold one span's middle, or several spans whole."""
+    rng = random.Random(seed)
+    data = random_bytes(4_000_000)
+    path = tmp_path / "t.bin"
+    path.write_bytes(as_bytes(data))
+    raw = as_bytes(data)
+    memory: list[torch.Tensor] = []
+    pieces, spans, at = [], [], 4 * rng.randrange(0, 64)
+    for _ in range(3):
+        begin = at
+        for _ in range(rng.randrange(1, 60)):
+            n = rng.choice((4, 8, 1024, 4096)) * rng.randrange(1, 6)
+            spans.append((at, at + n))
+            at += n + 4 * rng.choice((0, 0, 0, 1, 9))  # back to back, or with padding between
+        memory.append(poisoned_like(torch.empty(at - begin, dtype=torch.uint8, device=device)))
+        pieces.append(Piece.of(memory[-1], begin))
+        at += 4 * rng.randrange(0, 300)  # a hole between pieces
+    for cfg in (SMALL, Settings(buffer_size=rng.choice((4096, 8192, 12288)) * 2, num_buffers=3, io_threads=3,
+                                direct_io=DirectIO.OFF)):
+        with open_file(path, writing=False) as file:
+            crcs = ReadEngine(file, pieces, cfg, checksum=True, spans=spans).run()
+        assert crcs == [crc(raw[b:e]) for b, e in spans]
+        for m, p in zip(memory, pieces, strict=True):
+            assert as_bytes(m) == raw[p.offset : p.end]
+            poison(m)
     assert_idle()
 
 

@@ -14,7 +14,7 @@ import torch
 import ckptstream
 from ckptstream import Settings, _checksum, _fileio
 from ckptstream._engine import Piece, ReadEngine, WriteEngine, gpucrc
-from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, packed_pieces, poisoned_like
+from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, header_of, packed_pieces, poisoned_like
 
 
 def crc(data: bytes) -> int:
@@ -110,6 +110,82 @@ def test_kernel_arithmetic_gives_the_crc(monkeypatch: pytest.MonkeyPatch, nwords
     words = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
     register = kernel_in_python(words, gpucrc._constants(), 8, 8, 4)
     assert gpucrc.finish(register, len(data)) == crc(data)
+
+
+@pytest.mark.parametrize("nwords", [1, 7, 8, 255, 256, 257, 700])
+def test_span_build_arithmetic_gives_the_crc(nwords: int) -> None:
+    """The kernel's steps with the constants of its build for spans (a warp x 8 words)."""
+    data = random.Random(nwords + 1).randbytes(4 * nwords)
+    words = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+    consts = gpucrc._constants(gpucrc.SPAN_LANES, gpucrc.SPAN_BLOCK)
+    register = kernel_in_python(words, consts, gpucrc.SPAN_LANES, gpucrc.SPAN_WORDS, gpucrc._SHIFTS)
+    assert gpucrc.finish(register, len(data)) == crc(data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_span_kernel_equals_crc32c(seed: int) -> None:
+    """Byte ranges of one allocation, back to back and with gaps, around the span block size, and
+    many of them in one launch; ranges of equal length share the finishing term."""
+    device = torch.device("cuda")
+    assert gpucrc.usable(device)
+    rng = random.Random(seed)
+    data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    lengths = [4, 8, 124, 128, 132, gpucrc.SPAN_BLOCK - 4, gpucrc.SPAN_BLOCK, gpucrc.SPAN_BLOCK + 4,
+               *(1024 for _ in range(3000)), *(4 * rng.randrange(1, 4000) for _ in range(40))]
+    rng.shuffle(lengths)
+    begins, at = [], 4 * rng.randrange(0, 8)
+    for n in lengths:
+        begins.append(at)
+        at += n + 4 * rng.choice((0, 0, 1, 5))
+    assert at <= data.numel()
+    ends = [b + n for b, n in zip(begins, lengths, strict=True)]
+    on_gpu = data.to(device)
+    assert gpucrc.spans_eligible(on_gpu, begins, ends)
+    got = gpucrc.span_crcs(on_gpu, begins, ends)
+    assert got == [crc(data[b:e].numpy().tobytes()) for b, e in zip(begins, ends, strict=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("buffer_size", [4096, 16 << 20], ids=["4k", "16m"])
+def test_whole_load_checksums_small_tensors_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         buffer_size: int) -> None:
+    """A whole load into a GPU moves runs of small tensors as one piece and checksums each tensor
+    of it on the device: every value exact, a corrupt byte named by its own tensor, chunks that
+    cut the run or not."""
+    ranges: list[int] = []
+    real = gpucrc.span_crcs
+
+    def counted(memory: torch.Tensor, begins: list[int], ends: list[int]) -> list[int]:
+        ranges.append(len(begins))
+        return real(memory, begins, ends)
+
+    monkeypatch.setattr(gpucrc, "span_crcs", counted)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"w{i}": torch.randn(i % 50 + 1, device="cuda", generator=gen) for i in range(3000)}
+    path = tmp_path / "small.safetensors"
+    ckptstream.save(state, path)
+    loaded = ckptstream.load(path, device="cuda", buffer_size=buffer_size)
+    assert sum(ranges) == len(state)
+    for k, v in state.items():
+        assert_bytes_equal(loaded[k], v)
+    raw = bytearray(path.read_bytes())
+    start, table = header_of(path)
+    _, end = table["w1234"]["data_offsets"]
+    raw[start + end - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'w1234' fails its CRC-32C"):
+        ckptstream.load(path, device="cuda", buffer_size=buffer_size)
+
+
+def test_spans_eligible() -> None:
+    memory = torch.empty(4096, dtype=torch.uint8)
+    assert gpucrc.spans_eligible(memory, [0, 8, 100], [8, 100, 104])
+    assert not gpucrc.spans_eligible(memory, [], [])
+    assert not gpucrc.spans_eligible(memory[2:], [0], [8])  # unaligned memory
+    assert not gpucrc.spans_eligible(memory, [0, 10], [8, 14])  # an unaligned range
+    assert not gpucrc.spans_eligible(memory, [0, 8], [8, 14])  # not whole words
+    assert not gpucrc.spans_eligible(memory, [0, 8], [8, 8])  # empty
 
 
 def test_eligible_bytes() -> None:

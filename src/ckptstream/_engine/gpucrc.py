@@ -4,8 +4,11 @@ A hot load is bound by host memory traffic: the page cache is read, the staging 
 then read by the device copy. Checksumming the staging buffer on the host reads it once more,
 however fast the CRC code. The GPU reads device memory far faster and idles during a load, so a
 load into CUDA tensors checksums the large contiguous ones there, once all copies are queued:
-one launch per device for all of them, on the copies' stream. Small tensors stay on the host,
-as does everything where the kernel cannot be built or its self-test fails.
+one launch per device for all of them, on the copies' stream. A whole load of many small tensors
+(runs of them in one allocation, see ``_blocks``) checksums each tensor there too, with a second
+build of the kernel whose blocks are one warp and 1 KiB, so that 20,000 tensors cost one launch
+and a few vectorised steps instead of a host call each. Everything stays on the host where the
+kernel cannot be built or its self-test fails.
 
 The kernel is CUDA C, compiled for the device on first use by NVRTC, the runtime compiler that
 CUDA builds of torch ship with (no CUDA toolkit needed), and launched through torch's loader
@@ -27,7 +30,8 @@ import ctypes
 import itertools
 import threading
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,8 +40,11 @@ from .. import _checksum
 GPU_FROM = 1 << 20  # tensors from this size are checksummed on the GPU
 LANES, WORDS = 256, 256  # a block: LANES threads x WORDS 32-bit words
 BLOCK = LANES * WORDS * 4
+SPAN_LANES, SPAN_WORDS = 32, 8  # the build for spans of small tensors: a warp per KiB
+SPAN_BLOCK = SPAN_LANES * SPAN_WORDS * 4
 _SHIFTS = 4096  # blocks after a block: up to _SHIFTS**2 (4 TiB tensors), looked up in two steps
 GPU_UP_TO = BLOCK * _SHIFTS**2
+SPAN_UP_TO = SPAN_BLOCK * _SHIFTS**2
 
 _SOURCE = r"""
 __device__ unsigned int mulmod(unsigned int a, unsigned int b) {  // a * b mod P, reflected
@@ -104,15 +111,23 @@ def _powers(nbytes: int, count: int) -> list[int]:
     return out
 
 
-def _constants() -> list[int]:
-    """Tables times x^(32 * LANES); x^(32 * (LANES - lane)) per thread; x^(8 * BLOCK * k) and
-    x^(8 * BLOCK * _SHIFTS * k) for k < _SHIFTS."""
-    lanes = _powers(4, LANES + 1)[:0:-1]
-    return (_times(_checksum.shift(4 * LANES)) + lanes
-            + _powers(BLOCK, _SHIFTS) + _powers(BLOCK * _SHIFTS, _SHIFTS))
+def _constants(lanes: int | None = None, block: int | None = None) -> list[int]:
+    """For blocks of ``lanes`` threads and ``block`` bytes (default: LANES and BLOCK): tables
+    times x^(32 * lanes); x^(32 * (lanes - lane)) per thread; x^(8 * block * k) and
+    x^(8 * block * _SHIFTS * k) for k < _SHIFTS."""
+    lanes, block = lanes or LANES, block or BLOCK
+    return (_times(_checksum.shift(4 * lanes)) + _powers(4, lanes + 1)[:0:-1]
+            + _powers(block, _SHIFTS) + _powers(block * _SHIFTS, _SHIFTS))
 
 
-_kernels: dict[torch.device, tuple[Any, torch.Tensor] | None] = {}  # kernel, constants
+class _Built(NamedTuple):
+    """A device's two builds of the kernel, each with its constants."""
+
+    tensors: tuple[Any, torch.Tensor]  # LANES x WORDS: large tensors
+    spans: tuple[Any, torch.Tensor]  # SPAN_LANES x SPAN_WORDS: many small ones
+
+
+_kernels: dict[torch.device, _Built | None] = {}
 _lock = threading.Lock()
 
 
@@ -121,7 +136,7 @@ def crcs(tensors: list[torch.Tensor]) -> list[int]:
     ``usable`` said yes; see ``eligible``), in one launch on the device's current stream; waits
     for it."""
     device = tensors[0].device
-    kernel, consts = _kernels[device]  # type: ignore[misc]
+    kernel, consts = _kernels[device].tensors  # type: ignore[union-attr]
     lengths = [t.numel() for t in tensors]
     firsts = list(itertools.accumulate((-(-n // BLOCK) for n in lengths), initial=0))
     with torch.cuda.device(device):
@@ -130,6 +145,35 @@ def crcs(tensors: list[torch.Tensor]) -> list[int]:
         out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
         kernel(grid=(firsts[-1], 1, 1), block=(LANES, 1, 1), args=[table, len(tensors), consts, out])
         return [finish(r, n) for r, n in zip(out.tolist(), lengths, strict=True)]
+
+
+def span_crcs(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """The CRC-32C of each byte range ``begins[k]:ends[k]`` of ``memory`` (uint8, 1-d, contiguous,
+    on a CUDA device for which ``usable`` said yes; see ``spans_eligible``), in one launch of the
+    spans' build on the device's current stream; waits for it. Tables and results are handled
+    as tensors: nothing here costs a Python step per range."""
+    device = memory.device
+    kernel, consts = _kernels[device].spans  # type: ignore[union-attr]
+    lo = torch.tensor(begins, dtype=torch.int64)
+    lengths = torch.tensor(ends, dtype=torch.int64) - lo
+    blocks = (lengths + SPAN_BLOCK - 1) // SPAN_BLOCK
+    with torch.cuda.device(device):
+        table = torch.stack([lo + memory.data_ptr(), lengths, blocks.cumsum(0) - blocks], 1).to(device)
+        out = torch.zeros(len(lo), dtype=torch.int32, device=device)
+        kernel(grid=(int(blocks.sum()), 1, 1), block=(SPAN_LANES, 1, 1), args=[table, len(lo), consts, out])
+        registers = out.cpu().to(torch.int64) & 0xFFFFFFFF
+    sizes, which = torch.unique(lengths, return_inverse=True)
+    ones = torch.tensor([finish(0, n) for n in sizes.tolist()], dtype=torch.int64)  # the all-ones start, per length
+    return (registers ^ ones[which]).tolist()
+
+
+def spans_eligible(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
+    """Whether ``span_crcs`` takes these ranges of ``memory``: each non-empty and whole aligned
+    32-bit words."""
+    if not begins or memory.data_ptr() % 4:
+        return False
+    lo, hi = torch.tensor(begins, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64)
+    return bool(((lo % 4 == 0) & (hi % 4 == 0) & (hi > lo) & (hi - lo < SPAN_UP_TO)).all())
 
 
 def eligible(t: torch.Tensor) -> bool:
@@ -157,20 +201,24 @@ def usable(device: torch.device) -> bool:
         return _kernels[device] is not None
 
 
-def _built(device: torch.device) -> tuple[Any, torch.Tensor] | None:
+def _built(device: torch.device) -> _Built | None:
     from torch.cuda import _utils  # torch's own loader for NVRTC kernels
 
     if not hasattr(_utils, "_cuda_load_module"):  # torch before 2.8: checksums on the host
         return None
     try:
         major, minor = torch.cuda.get_device_capability(device)
-        image = _compile(_utils._get_nvrtc_library(), f"sm_{major}{minor}")
+        nvrtc, arch = _utils._get_nvrtc_library(), f"sm_{major}{minor}"
+        builds = []
         with torch.cuda.device(device):
-            kernel = _utils._cuda_load_module(image, ["crc32c_blocks"])["crc32c_blocks"]  # type: ignore[index]
-            consts = torch.tensor(_constants(), dtype=torch.int64).to(torch.int32).to(device)  # bits of uint32
-        _kernels[device] = kernel, consts  # where crcs finds them for the self-test
+            for lanes, words in ((LANES, WORDS), (SPAN_LANES, SPAN_WORDS)):
+                image = _compile(nvrtc, arch, lanes, words)
+                kernel = _utils._cuda_load_module(image, ["crc32c_blocks"])["crc32c_blocks"]  # type: ignore[index]
+                consts = _constants(lanes, lanes * words * 4)
+                builds.append((kernel, torch.tensor(consts, dtype=torch.int64).to(torch.int32).to(device)))  # uint32
+        built = _kernels[device] = _Built(*builds)  # where crcs finds them for the self-test
         if _self_test(device):
-            return kernel, consts
+            return built
         warnings.warn(f"ckptstream: the GPU checksum disagrees with the host's on {device}: "
                       "checksumming on the host instead", RuntimeWarning, stacklevel=4)
     except Exception as e:  # no NVRTC library, a failure to compile or run: use the host
@@ -179,9 +227,10 @@ def _built(device: torch.device) -> tuple[Any, torch.Tensor] | None:
     return None
 
 
-def _compile(nvrtc: ctypes.CDLL, arch: str) -> bytes:
-    """The kernel compiled by NVRTC for ``arch`` (e.g. sm_90), as a cubin."""
-    source = f"#define LANES {LANES}\n#define WORDS {WORDS}\n#define SHIFTS {_SHIFTS}\n{_SOURCE}".encode()
+def _compile(nvrtc: ctypes.CDLL, arch: str, lanes: int, words: int) -> bytes:
+    """The kernel for blocks of ``lanes`` threads x ``words`` words, compiled by NVRTC for
+    ``arch`` (e.g. sm_90), as a cubin."""
+    source = f"#define LANES {lanes}\n#define WORDS {words}\n#define SHIFTS {_SHIFTS}\n{_SOURCE}".encode()
     program = ctypes.c_void_p()
     _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"crc32c.cu", 0, None, None))
     try:
@@ -210,4 +259,8 @@ def _nvrtc_check(nvrtc: ctypes.CDLL, result: int) -> None:
 def _self_test(device: torch.device) -> bool:
     data = torch.randint(0, 256, (3 * BLOCK + 12344,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     pieces = [data[8:], data[:4], data[4 : BLOCK + 8]]  # whole 32-bit words, as ``eligible`` admits
-    return crcs([p.to(device) for p in pieces]) == [_checksum.crc_of(p.numpy().tobytes()) for p in pieces]
+    spans = [(0, 4), (4, 1028), (1028, 1032), (1036, 1036 + 3 * SPAN_BLOCK + 8)]
+    on_device = data.to(device)
+    want = [_checksum.crc_of(data[a:b].numpy().tobytes()) for a, b in spans]
+    return (crcs([p.to(device) for p in pieces]) == [_checksum.crc_of(p.numpy().tobytes()) for p in pieces]
+            and span_crcs(on_device, [a for a, _ in spans], [b for _, b in spans]) == want)

@@ -66,6 +66,7 @@ class ReadEngine(Engine):
         self._carry_order = _CarryOrder([c.index for c in self.chunks if self._has_ordered(c)], self.failure)
         self._spans = spans
         self._span_starts = [begin for begin, _ in spans or ()]
+        self._span_ends = [end for _, end in spans or ()]
         # per piece, with spans: the span that is exactly the piece's bytes, if one is
         self._span_of: list[int | None] = [None] * len(self.pieces)
         for i, p in enumerate(self.pieces if spans is not None else ()):
@@ -76,8 +77,32 @@ class ReadEngine(Engine):
         self.on_device = [self.checksum and flat is not None and (spans is None or self._span_of[i] is not None)
                           and self.streams.checksums_on_device(flat[p.lo : p.hi])
                           for i, (p, flat) in enumerate(zip(self.pieces, self.flat, strict=True))]
+        # pieces that hold several spans (a run of small tensors), checksummed span by span on their device
+        self._spans_of = self._device_spans() if spans is not None and self.checksum else {}
+        for i in self._spans_of:
+            self.on_device[i] = True
         # chunks read straight into host tensors: no staging buffer, no second copy
         self._unstaged = [self.direct_fd is None and _host_runs(c, self.host) for c in self.chunks]
+
+    def _device_spans(self) -> dict[int, tuple[int, int]]:
+        """Per device piece of several spans whose spans the device can checksum: the range of
+        span indices it holds."""
+        out, spans, starts = {}, self._spans, self._span_starts
+        assert spans is not None
+        for i, (p, flat) in enumerate(zip(self.pieces, self.flat, strict=True)):
+            if flat is None or self._span_of[i] is not None:
+                continue
+            first, stop = bisect.bisect_left(starts, p.offset), bisect.bisect_left(starts, p.end)
+            begins, ends = self._relative(i, first, stop)
+            if self.streams.span_checksums_on_device(flat[p.lo : p.hi], begins, ends):
+                out[i] = first, stop
+        return out
+
+    def _relative(self, piece: int, first: int, stop: int) -> tuple[list[int], list[int]]:
+        """Spans ``first``..``stop`` as byte ranges of the piece's bytes."""
+        at = self.pieces[piece].offset
+        spans = self._spans[first:stop]  # type: ignore[index]
+        return [b - at for b, _ in spans], [e - at for _, e in spans]
 
     def staged_chunks(self) -> int:
         return self._unstaged.count(False)
@@ -176,19 +201,20 @@ class ReadEngine(Engine):
             self.part_crcs[chunk.index] = [(p.piece, crc_of(data(p)), p.hi - p.lo)
                                            for p in chunk.parts if not skip[p.piece]]
             return
-        spans, starts, crcs = self._spans, self._span_starts, []
+        spans, starts, ends, crcs = self._spans, self._span_starts, self._span_ends, []
         for p in chunk.parts:
             if skip[p.piece]:
                 continue
             begin = chunk.origin + p.at
             end = begin + p.hi - p.lo
-            s = max(0, bisect.bisect_right(starts, begin) - 1)
             mv = data(p)
-            while s < len(spans) and spans[s][0] < end:
-                lo, hi = max(spans[s][0], begin), min(spans[s][1], end)
-                if lo < hi:
+            first, stop = bisect.bisect_left(starts, begin), bisect.bisect_right(ends, end)
+            # the spans inside the part (a run holds thousands) in one comprehension, then those it cuts
+            crcs += [(s, crc_of(mv[b - begin : e - begin]), e - b) for s, (b, e) in enumerate(spans[first:stop], first)]
+            for s in sorted({first - 1, stop}):  # the same span where one holds the whole part
+                if not first <= s < stop and 0 <= s < len(spans) and spans[s][0] < end and spans[s][1] > begin:
+                    lo, hi = max(spans[s][0], begin), min(spans[s][1], end)
                     crcs.append((s, crc_of(mv[lo - begin : hi - begin]), hi - lo))
-                s += 1
         self.part_crcs[chunk.index] = crcs
 
     def _truncated(self, file_end: int) -> None:
@@ -221,9 +247,15 @@ class ReadEngine(Engine):
             with self.streams.copying():  # queued after the copies
                 for picked in self._on_device_by_device().values():
                     flats = [self.flat[i][self.pieces[i].lo : self.pieces[i].hi] for i in picked]  # type: ignore[index]
-                    for i, crc in zip(picked, self.streams.checksums(flats), strict=True):
+                    whole = [(i, flat) for i, flat in zip(picked, flats, strict=True) if i not in self._spans_of]
+                    for (i, _), crc in zip(whole, self.streams.checksums([f for _, f in whole]) if whole else (),
+                                           strict=True):
                         at = self._span_of[i] if self._spans is not None else i
                         values[at] = crc  # type: ignore[index]
+                    for i, flat in zip(picked, flats, strict=True):
+                        if i in self._spans_of:
+                            first, stop = self._spans_of[i]
+                            values[first:stop] = self.streams.span_checksums(flat, *self._relative(i, first, stop))
         self.streams.hand_back()
         return values
 

@@ -8,8 +8,8 @@ through ``mark``. The engine then, from any thread:
 - ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams;
 - ``record(devices)``: events marking a chunk's copies, which the I/O thread waits for before
   it writes the staging buffer to the file, or refills it from the file;
-- ``checksums(tensors)`` inside ``copying()``: CRC-32Cs computed on the device, queued after
-  the copies;
+- ``checksums(tensors)`` (or ``span_checksums``) inside ``copying()``: CRC-32Cs computed on
+  the device, queued after the copies;
 - ``hand_back()`` (loads): the caller's streams wait for the copies, so work queued after the
   load sees the data; ``synchronize()``: nothing is in flight any more.
 For host-only transfers every step is immediate. The CUDA primitives come from ``DEVICES``,
@@ -20,7 +20,7 @@ a missing wait shows on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,13 @@ class CudaDevices:
     def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
         """CRC-32Cs of contiguous byte tensors of one device, computed on the current stream."""
         return gpucrc.crcs(tensors)
+
+    def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
+        return memory.is_cuda and gpucrc.usable(memory.device) and gpucrc.spans_eligible(memory, begins, ends)
+
+    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
+        """CRC-32Cs of byte ranges of one contiguous byte tensor, computed on the current stream."""
+        return gpucrc.span_crcs(memory, begins, ends)
 
 
 DEVICES = CudaDevices()
@@ -144,6 +151,15 @@ class Streams:
         """CRC-32Cs of contiguous byte tensors of one device, on the current stream (call in
         ``copying()``, after the copies were enqueued); waits for them."""
         return DEVICES.checksums(tensors)
+
+    def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
+        """Whether a load checksums these ranges of ``memory`` (many tensors' bytes in one
+        allocation) on its device, once loaded."""
+        return DEVICES.device_of(memory) is not None and DEVICES.span_checksums_on_device(memory, begins, ends)
+
+    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
+        """CRC-32Cs of ranges of ``memory``, as ``checksums``."""
+        return DEVICES.span_checksums(memory, begins, ends)
 
     def hand_back(self) -> None:
         for device, side in self._side.items():
