@@ -26,7 +26,7 @@ from ._header import Header, empty_tensor
 from ._progress import progress_bar
 from ._settings import Settings
 from ._slices import normalize_box, slice_pieces
-from ._structure import KeyPath, View, key_str, make_view, parse_structure, unflatten
+from ._structure import KeyPath, View, key_str, make_view, parse_structure, rebuild, unflatten
 
 Device = str | int | torch.device
 Key = str | KeyPath
@@ -283,17 +283,14 @@ class CheckpointReader:
             tensors = self._load_tensors(dev, checksum, progress)
         views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        def tensor_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
-            name = node.get("tensor")
-            if name is not None:
-                return tensors[name]
+        def view_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
             view = self._structure.views[path]
             if view not in views:
                 views[view] = make_view(tensors[view.base], view)
             return views[view]
 
         with _gc.paused():
-            return unflatten(self._structure.tree, tensor_leaf, self.path)
+            return rebuild(self._structure.tree, tensors, view_leaf)
 
     def _load_tensors(self, dev: torch.device, checksum: bool, progress: bool) -> dict[str, torch.Tensor]:
         """Every stored tensor, read into few allocations on ``dev`` (see ``_blocks``)."""
