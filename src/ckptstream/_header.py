@@ -22,15 +22,17 @@ functions over bytes: no file I/O here.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import json
 import math
 import operator
 import struct
+import sys
 from collections.abc import Mapping
 from json.encoder import encode_basestring  # what json.dumps quotes str with (not ASCII-escaped)
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -223,7 +225,8 @@ def decode(raw: bytes, file_size: int, path: str) -> Header:
         meta = {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
-    tensors = sorted((_entry(path, k, v) for k, v in table.items()), key=_by_offsets)
+    sizes: dict[tuple[Any, ...], tuple[torch.dtype, tuple[int, ...], int]] = {}  # files repeat a few shapes
+    tensors = sorted((_entry(path, k, v, sizes) for k, v in table.items()), key=_BY_OFFSETS)
     pos = 0
     for t in tensors:
         if t.begin != pos:
@@ -250,7 +253,10 @@ def _stored_crcs(text: str | None, count: int, path: str) -> list[int] | None:
     if len(text) != 8 * count or not set(text) <= _HEX:
         raise _corrupt(path, f"{CRC_KEY} must be {8 * count} lowercase hex digits ({count} tensors), "
                              f"got {text!r:.100}")  # fmt: skip
-    return [int(text[i : i + 8], 16) for i in range(0, len(text), 8)]
+    values = array.array("I", bytes.fromhex(text))  # 8 hex digits each, most significant first
+    if sys.byteorder == "little":
+        values.byteswap()
+    return values.tolist()
 
 
 def _check_header_crc(raw: bytes, stored: str | None, path: str) -> None:
@@ -326,21 +332,37 @@ def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _by_offsets(t: TensorInfo) -> tuple[int, int]:
-    return t.begin, t.end
+_BY_OFFSETS = operator.itemgetter(3, 4)  # a TensorInfo's begin, end
 
 
-def _entry(path: str, name: str, raw: Any) -> TensorInfo:
-    """One validated table entry; the common case costs a few checks (files hold many)."""
+def _entry(path: str, name: str, raw: Any, sizes: dict[tuple[Any, ...], tuple[torch.dtype, tuple[int, ...], int]]
+           ) -> TensorInfo:
+    """One validated table entry; the common case costs a few checks (files hold many), and a
+    dtype and shape seen before (in ``sizes``: dtype, shape and bytes as torch has them) no more."""
     try:
         # other fields: ignored, as safetensors does
         dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-        torch_dtype = DTYPES[dtype]
         begin, end = offsets
     except (TypeError, KeyError, ValueError):
         return _bad_entry(path, name, raw)
-    if (type(shape) is not list or type(begin) is not int or type(end) is not int or not 0 <= begin <= end
-            or any(type(d) is not int or d < 0 for d in shape)):  # fmt: skip
+    if (type(dtype) is not str or type(shape) is not list or type(begin) is not int or type(end) is not int
+            or not 0 <= begin <= end or any(type(d) is not int or d < 0 for d in shape)):  # fmt: skip
+        return _bad_entry(path, name, raw)
+    key = (dtype, *shape)
+    known = sizes.get(key)
+    if known is None:
+        known = sizes[key] = _sized(path, name, dtype, shape, raw)
+    torch_dtype, torch_shape, nbytes = known
+    if nbytes != end - begin:
+        raise _corrupt(path, f"tensor {name!r}: shape {shape} of {dtype} needs {nbytes} bytes, "
+                             f"but its data_offsets span {end - begin}")  # fmt: skip
+    return TensorInfo(name, torch_dtype, torch_shape, begin, end)
+
+
+def _sized(path: str, name: str, dtype: Any, shape: list[int], raw: Any) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """The torch dtype, torch shape and byte size of an entry's dtype and (checked) shape."""
+    torch_dtype = DTYPES.get(dtype)
+    if torch_dtype is None:
         return _bad_entry(path, name, raw)
     packed = _PACKED.get(dtype, 1)
     if packed > 1:
@@ -354,13 +376,10 @@ def _entry(path: str, name: str, raw: Any) -> TensorInfo:
     if count is None:
         raise _corrupt(path, f"tensor {name!r}: shape {shape!r:.200} is too large for a tensor (past 2**63 elements "
                              "or strides)")  # fmt: skip
-    if count * torch_dtype.itemsize != end - begin:
-        raise _corrupt(path, f"tensor {name!r}: shape {shape} of {dtype} needs {count * torch_dtype.itemsize} bytes, "
-                             f"but its data_offsets span {end - begin}")  # fmt: skip
-    return TensorInfo(name, torch_dtype, torch_shape, begin, end)
+    return torch_dtype, torch_shape, count * torch_dtype.itemsize
 
 
-def _bad_entry(path: str, name: str, raw: Any) -> TensorInfo:
+def _bad_entry(path: str, name: str, raw: Any) -> NoReturn:
     """Raise the error that says what is wrong with a malformed table entry."""
     where = f"tensor {name!r}"
     if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= set(raw):

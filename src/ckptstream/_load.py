@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from . import _mapped
+from . import _gc, _mapped
 from ._reader import CheckpointReader, Device, as_device
 from ._settings import INHERIT, call_settings
 
@@ -90,8 +90,10 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
     checksum = checksum_argument(checksum, verify, "load")
     if mmap:  # before the file is opened
         _mapped.check_device(as_device(device))
-    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-              direct_io=direct_io) as reader:
+    # the collector paused throughout: a load of many tensors allocates a few objects per tensor
+    # (none in cycles), and a collection between its phases would scan them all again
+    with _gc.paused(), open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
+                                 direct_io=direct_io) as reader:
         return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
 
 
