@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 import ckptstream
+from ckptstream import _load_into
 from ckptstream._header import DTYPE_NAMES
-from helpers import WRITABLE_EDGE_CASES, as_bytes, assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
+from ckptstream._structure import KeyPath
+from helpers import WRITABLE_EDGE_CASES, as_bytes, assert_bytes_equal, is_poisoned, poison, poisoned_like, random_tensor
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
@@ -226,3 +228,160 @@ def test_strict_load_into_takes_tied_targets_the_file_stores_once(tmp_path: Path
              "lm_head.bias": poisoned_like(bias)}
     with pytest.raises(ckptstream.StateMismatchError, match=r"missing from the file: lm_head\.weight"):
         ckptstream.load_into(other, path)  # a separate tensor is still missing
+
+
+# --- the short way through the destination checks --------------------------------------------
+
+
+def _destination_cases() -> dict[str, torch.Tensor]:
+    """Targets of every kind the checks tell apart, a plain contiguous CPU tensor first (so that
+    what is learnt of its device, dtype and layout is in place for the meta tensor after it)."""
+    base = random_tensor(40)
+    return {
+        "plain": random_tensor((3, 4)),
+        "meta": torch.empty((3, 4), device="meta"),
+        "sparse": torch.zeros(3, 4).to_sparse(),
+        "offset_slice": base[5:15],
+        "strided_slice": base[::4],
+        "transposed": random_tensor((4, 5)).t(),
+        "channels_last": random_tensor((2, 3, 4, 5)).to(memory_format=torch.channels_last),
+        "size_one_stride_zero": random_tensor(4).as_strided((1, 4), (0, 1)),
+        "expanded": random_tensor(4).expand(3, 4),
+        "empty_expanded": torch.empty(0, 1).expand(0, 4),
+        "empty": torch.empty(0),
+        "zero_dim": random_tensor(()),
+        "overlapping_strides": random_tensor(10).as_strided((4, 4), (1, 1)),
+        "conj": random_tensor(3, torch.complex64).conj(),
+        "conj_transposed": random_tensor((2, 3), torch.complex64).conj().t(),
+        "neg": torch._neg_view(random_tensor(3)),
+        "parameter": nn.Parameter(random_tensor(6)),
+        "bool": random_tensor(5, torch.bool),
+        "float64": random_tensor((2, 2), torch.float64),
+    }
+
+
+def test_the_short_way_finds_what_the_full_checks_find(tmp_path: Path) -> None:
+    """For each kind of target, the one pass of load_into's checks reports exactly the messages
+    and memory ranges that the full check of every target gives."""
+    cases = _destination_cases()
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({k: random_tensor(tuple(t.shape), t.dtype) for k, t in cases.items()}, path)
+    with ckptstream.open(path) as reader:
+        entries = {e.path: e for e in reader.entries()}
+    targets: dict[KeyPath, torch.Tensor] = {(k,): t for k, t in cases.items()}
+    found = _load_into._survey(targets, entries)
+    full = _load_into._Survey()
+    for p, t in targets.items():
+        _load_into._check_target(p, t, full)
+    assert (found.missing, found.wrong) == ([], [])
+    assert found.unfit == full.unfit
+    assert sorted(found.spans) == sorted(full.spans)
+    refused = {"meta", "sparse", "expanded", "empty_expanded", "overlapping_strides", "conj", "conj_transposed", "neg"}
+    assert [m.split(" ")[0].rstrip(":") for m in found.unfit] == [k for k in cases if k in refused]
+    # the bytes from each target's first element to past its last (none for those without elements)
+    extents = {"plain": 48, "meta": 48, "offset_slice": 40, "strided_slice": 148, "transposed": 80,
+               "channels_last": 480, "size_one_stride_zero": 16, "expanded": 16, "zero_dim": 4,
+               "overlapping_strides": 28, "conj": 24, "conj_transposed": 48, "neg": 12, "parameter": 24, "bool": 5,
+               "float64": 32}  # fmt: skip
+    expected = [(cases[k].data_ptr(), cases[k].data_ptr() + n, (k,)) for k, n in extents.items()]
+    assert sorted(found.spans) == sorted(expected)
+
+
+@pytest.mark.parametrize("bad", ["conj", "neg", "empty_expanded"])
+def test_a_contiguous_target_that_cannot_be_written_is_refused(tmp_path: Path, bad: str) -> None:
+    """Targets whose strides look contiguous but whose memory does not hold what they show (a
+    lazy conjugate or negation) or whose empty shape hides an expanded dimension are refused."""
+    source = {"conj": random_tensor(4, torch.complex64), "neg": random_tensor(4),
+              "empty_expanded": torch.empty(0, 4)}[bad]  # fmt: skip
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"a": random_tensor((64, 64)), "b": source}, path)
+    a = poisoned_like(random_tensor((64, 64)))
+    b = {"conj": poisoned_like(source).conj(), "neg": torch._neg_view(poisoned_like(source)),
+         "empty_expanded": torch.empty(0, 1).expand(0, 4)}[bad]  # fmt: skip
+    assert b.is_contiguous()
+    reason = "expanded view" if bad == "empty_expanded" else "lazy conjugate or negative view"
+    with pytest.raises(ckptstream.StateMismatchError, match=rf"nothing was written:\n  b .*{reason}"):
+        ckptstream.load_into({"a": a, "b": b}, path)
+    assert is_poisoned(a)
+
+
+def test_a_size_one_dimension_with_stride_zero_is_filled(tmp_path: Path) -> None:
+    """A stride of 0 on a dimension of one element shares nothing: torch calls the tensor
+    contiguous, and it is filled."""
+    source = random_tensor((1, 4))
+    ckptstream.save({"w": source}, tmp_path / "ckpt.safetensors")
+    base = poisoned_like(random_tensor(4))
+    target = base.as_strided((1, 4), (0, 1))
+    assert target.stride() == (0, 1)
+    assert target.is_contiguous()
+    ckptstream.load_into({"w": target}, tmp_path / "ckpt.safetensors")
+    assert_bytes_equal(base, source.reshape(4))
+
+
+def test_an_overlap_reaching_past_a_shorter_view_is_found(tmp_path: Path) -> None:
+    """A target that overlaps a long one only after a shorter one in between (both views the
+    file stores over the same bytes, which may overlap) is still refused."""
+    base, other = random_tensor(100), random_tensor(10)
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"m": {"whole": base, "half": base[:10], "c": other}}, path)
+    memory = poisoned_like(base)
+    target = {"m": {"whole": memory, "half": memory[:10], "c": memory[20:30]}}
+    with pytest.raises(ckptstream.StateMismatchError, match=r"\n  m\.whole and m\.c overlap in memory"):
+        ckptstream.load_into(target, path)
+    assert is_poisoned(memory)
+
+
+def test_a_target_the_memory_of_another_still_clashes_with_views(tmp_path: Path) -> None:
+    """Target n is the very memory of m.whole, which the file stores as a view, as it does
+    m.half; n's bytes are stored apart, so its overlap with m.half is refused."""
+    base = random_tensor(100)
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"m": {"whole": base, "half": base[10:50]}, "n": random_tensor(100)}, path)
+    memory = poisoned_like(base)
+    target = {"m": {"whole": memory, "half": memory[10:50]}, "n": memory}
+    with pytest.raises(ckptstream.StateMismatchError, match=r"\n  n and m\.half overlap in memory"):
+        ckptstream.load_into(target, path)
+    assert is_poisoned(memory)
+
+
+def test_targets_of_two_storages_over_one_memory_are_refused(tmp_path: Path) -> None:
+    """Two storages can hold the same memory (torch.frombuffer twice over one buffer): their
+    tensors overlap however their storages are told apart."""
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"a": random_tensor(100), "b": random_tensor(10)}, path)
+    buffer = bytearray(as_bytes(poisoned_like(random_tensor(100))))
+    a = torch.frombuffer(buffer, dtype=torch.float32)
+    b = torch.frombuffer(buffer, dtype=torch.float32, count=10, offset=40)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    with pytest.raises(ckptstream.StateMismatchError, match=r"\n  a and b overlap in memory"):
+        ckptstream.load_into({"a": a, "b": b}, path)
+    assert is_poisoned(a)
+
+
+def test_many_targets_share_one_storage(tmp_path: Path) -> None:
+    """Views of one flat buffer, back to back and stored apart, are filled; one more that spans
+    two of them is refused."""
+    parts = {f"p{i}": random_tensor(i + 1) for i in range(50)}
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(parts, path)
+    flat = poisoned_like(random_tensor(sum(t.numel() for t in parts.values())))
+    views = dict(zip(parts, flat.split([t.numel() for t in parts.values()]), strict=True))
+    ckptstream.load_into(views, path)
+    assert_bytes_equal(flat, torch.cat(list(parts.values())))
+
+    ckptstream.save({**parts, "span": random_tensor(10)}, path)
+    poison(flat)
+    with pytest.raises(ckptstream.StateMismatchError) as e:
+        ckptstream.load_into({**views, "span": flat[50:60]}, path)  # p9 holds flat[45:55], p10 flat[55:66]
+    assert [line.split(" overlap")[0] for line in str(e.value).splitlines()[1:]] == ["  p9 and span", "  span and p10"]
+    assert is_poisoned(flat)
+
+
+def test_strict_reports_an_empty_target_the_file_lacks(tmp_path: Path) -> None:
+    """An empty tensor is never tied to another (it has no memory): the file lacking it is a
+    missing key, whatever memory address it reports."""
+    ckptstream.save({"a": random_tensor(3)}, tmp_path / "ckpt.safetensors")
+    a = poisoned_like(random_tensor(3))
+    with pytest.raises(ckptstream.StateMismatchError, match=r"missing from the file: e$"):
+        ckptstream.load_into({"a": a, "e": a[:0]}, tmp_path / "ckpt.safetensors")
+    assert is_poisoned(a)

@@ -1,30 +1,43 @@
 """load_into: fill the tensors of a live state in place from a checkpoint.
 
-Everything is matched and checked (keys, shapes, dtypes) before a single byte is written. Each
-tensor of the file streams straight into its target; only storage shared in the file by
-*different* views (rare: a tensor saved with an overlapping view of itself) goes through a
-temporary of that storage's size on the target's device.
+Everything is matched and checked (keys, shapes, dtypes, destinations) before a single byte is
+written. Each tensor of the file streams straight into its target; only storage shared in the
+file by *different* views (rare: a tensor saved with an overlapping view of itself) goes through
+a temporary of that storage's size on the target's device.
+
+A state may hold many thousands of small tensors, so the checks take one pass over the targets
+with a few attribute reads for the common one (a plain, contiguous, dense tensor), and build a
+key's string only for a message.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import operator
 import os
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from . import _gc
-from ._engine import check_tensor
+from ._engine import check_tensor, streamable
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._flatten import walk
 from ._header import empty_tensor
 from ._load import checksum_argument, open
 from ._reader import CheckpointReader, TensorEntry, target_device
 from ._settings import INHERIT
-from ._structure import KeyPath, key_str, make_view
+from ._structure import KeyPath, View, key_str, make_view
+
+Entries = dict[KeyPath, TensorEntry]
+Span = tuple[int, int, KeyPath]  # a target's memory: addresses start..end
+# the types whose layout, strides and data_ptr() are their own memory's (a subclass may override them, or
+# wrap another tensor): only these take the short way through the checks
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _memory(t: torch.Tensor) -> tuple[object, ...]:
@@ -35,58 +48,104 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _memory(a) == _memory(b)
 
 
-def _tied(targets: dict[KeyPath, torch.Tensor], entries: dict[KeyPath, TensorEntry]) -> set[KeyPath]:
+@dataclasses.dataclass
+class _Survey:
+    """What one pass over the targets finds, in the targets' order."""
+
+    missing: list[KeyPath] = dataclasses.field(default_factory=list)  # targets the file lacks
+    wrong: list[KeyPath] = dataclasses.field(default_factory=list)  # targets of another dtype or shape
+    unfit: list[str] = dataclasses.field(default_factory=list)  # why a target cannot take the file's bytes
+    spans: list[Span] = dataclasses.field(default_factory=list)  # of the targets with elements
+
+
+def _survey(targets: dict[KeyPath, torch.Tensor], entries: Entries) -> _Survey:
+    """Match every target with its entry and check, for each the file has, that its bytes can
+    land in it (see ``_check_target``), noting the addresses its memory spans."""
+    found = _Survey()
+    missing, wrong, spans, plain = found.missing, found.wrong, found.spans, _PLAIN
+    # streamable() of a plain tensor goes with these (is_quantized with the dtype: qint8, ...)
+    itemsizes: dict[tuple[object, ...], int] = {}  # per (device, dtype, layout): 0 where not streamable
+    for p, t in targets.items():
+        e = entries.get(p)
+        if e is None:
+            missing.append(p)
+            continue
+        dtype = t.dtype
+        if dtype != e.dtype or t.shape != e.shape:
+            wrong.append(p)
+        if type(t) in plain:
+            device = t.device
+            kind = (device, dtype, t.layout)
+            esz = itemsizes.get(kind)
+            if esz is None:
+                esz = itemsizes[kind] = t.element_size() if streamable(t) else 0
+            # contiguous with elements: no stride 0 over a dimension of several, no self-overlap, and
+            # its memory is nbytes from its first element (nbytes is read once streamable: a sparse
+            # tensor has none)
+            if esz and (nbytes := t.nbytes) and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                start = t.data_ptr()
+                spans.append((start, start + nbytes, p))
+                continue
+        _check_target(p, t, found)
+    return found
+
+
+def _check_target(p: KeyPath, t: torch.Tensor, found: _Survey) -> None:
+    """Any target: a dense CPU or CUDA tensor whose elements have memory of their own."""
+    try:
+        check_tensor(t, key_str(p), writable=True)
+    except (TypeError, ValueError) as e:
+        found.unfit.append(str(e))
+    else:
+        if _self_overlapping(t):
+            found.unfit.append(f"{key_str(p)}: its elements share memory (strides {t.stride()}), so it cannot hold "
+                               "distinct values")
+    if t.numel() and t.layout == torch.strided:  # strides are never negative: element 0 comes first
+        last = int(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+        found.spans.append((t.data_ptr(), t.data_ptr() + last + t.element_size(), p))
+
+
+def _tied(targets: dict[KeyPath, torch.Tensor], entries: Entries, missing: list[KeyPath]) -> set[KeyPath]:
     """Targets the file lacks that are the very memory of a target it has: tied weights saved
     once (transformers' ``lm_head.weight`` is ``transformer.wte.weight``); filling one fills both."""
+    if not any(targets[p].numel() for p in missing):
+        return set()
     in_file = {_memory(t) for p, t in targets.items() if p in entries and t.numel()}
-    return {p for p, t in targets.items() if p not in entries and t.numel() and _memory(t) in in_file}
+    return {p for p in missing if targets[p].numel() and _memory(targets[p]) in in_file}
 
 
-def _match(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor], strict: bool) -> None:
+def _match(path: str, entries: Entries, targets: dict[KeyPath, torch.Tensor], found: _Survey, strict: bool) -> None:
     """Raise one StateMismatchError listing every problem; warn about skipped keys if not strict."""
-    entries = {e.path: e for e in reader.entries()}
-    tied = _tied(targets, entries)
-    missing = [key_str(p) for p in targets if p not in entries and p not in tied]
-    unexpected = [key_str(p) for p in entries if p not in targets]
-    wrong = [f"{key_str(p)}: the file has {entries[p].dtype} {list(entries[p].shape)}, the state {t.dtype} "
-             f"{list(t.shape)}" for p, t in targets.items()
-             if p in entries and (t.dtype, tuple(t.shape)) != (entries[p].dtype, entries[p].shape)]
+    tied = _tied(targets, entries, found.missing)
+    missing = [key_str(p) for p in found.missing if p not in tied]
+    in_both = len(targets) - len(found.missing)
+    unexpected = [key_str(p) for p in entries if p not in targets] if in_both < len(entries) else []
+    wrong = [f"{key_str(p)}: the file has {entries[p].dtype} {list(entries[p].shape)}, the state "
+             f"{targets[p].dtype} {list(targets[p].shape)}" for p in found.wrong]
     problems = [f"shape/dtype mismatch: {w}" for w in wrong]
     if strict:
         problems += [f"missing from the file: {m}" for m in missing]
         problems += [f"in the file but not in the state: {u}" for u in unexpected]
     if problems:
         hint = "" if not strict or wrong else " (strict=False loads the keys both sides have)"
-        raise StateMismatchError(f"{reader.path} does not match the state{hint}:\n  " + "\n  ".join(problems))
+        raise StateMismatchError(f"{path} does not match the state{hint}:\n  " + "\n  ".join(problems))
     if missing or unexpected:
         warnings.warn(
-            StateMismatchWarning(f"load_into({reader.path!r}, strict=False) skipped {len(missing)} missing key(s) "
+            StateMismatchWarning(f"load_into({path!r}, strict=False) skipped {len(missing)} missing key(s) "
                                  f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",
                                  missing, unexpected),
             stacklevel=3,
         )
 
 
-def _check_destinations(reader: CheckpointReader, targets: dict[KeyPath, torch.Tensor]) -> None:
+def _check_destinations(path: str, entries: Entries, targets: dict[KeyPath, torch.Tensor], found: _Survey) -> None:
     """Raise one StateMismatchError, before a byte is written, for every target the file's bytes
     cannot land in: one that is not a dense CPU or CUDA tensor, whose elements share memory
     (an expanded view), or whose memory overlaps another target's (unless both are the same
     tensor, or views the file stores over the same bytes)."""
-    entries = {e.path: e for e in reader.entries()}
-    filled = {p: t for p, t in targets.items() if p in entries}
-    problems = []
-    for p, t in filled.items():
-        try:
-            check_tensor(t, key_str(p), writable=True)
-        except (TypeError, ValueError) as e:
-            problems.append(str(e))
-            continue
-        if _self_overlapping(t):
-            problems.append(f"{key_str(p)}: its elements share memory (strides {t.stride()}), so it cannot hold "
-                            "distinct values")
-    problems += _overlaps(filled, entries)
+    problems = found.unfit + _overlaps(found.spans, targets, entries)
     if problems:
-        raise StateMismatchError(f"{reader.path}: the state has tensors the checkpoint cannot be loaded into, "
+        raise StateMismatchError(f"{path}: the state has tensors the checkpoint cannot be loaded into, "
                                  "nothing was written:\n  " + "\n  ".join(problems))
 
 
@@ -101,49 +160,64 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def _overlaps(filled: dict[KeyPath, torch.Tensor], entries: dict[KeyPath, TensorEntry]) -> list[str]:
-    """Pairs of targets whose bytes overlap (a sweep over each storage's byte ranges)."""
-    by_storage: dict[tuple[object, int], list[tuple[int, int, KeyPath]]] = {}
-    for p, t in filled.items():
-        if t.numel() and t.layout == torch.strided:
-            start = int(t.storage_offset()) * t.element_size()
-            last = int(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
-            key = (t.device, t.untyped_storage().data_ptr())
-            by_storage.setdefault(key, []).append((start, start + last + t.element_size(), p))
+def _overlaps(spans: list[Span], targets: dict[KeyPath, torch.Tensor], entries: Entries) -> list[str]:
+    """Pairs of targets on one device whose memory overlaps (aliasing storages included): a
+    sweep over the ranges by address that holds every range still open, as one may reach past
+    several that follow it. Of targets that are the same memory and stored alike, one stays
+    open: the others would clash with the same ones."""
+    spans.sort(key=operator.itemgetter(0))
+    reach = itertools.accumulate((end for _, end, _ in spans), max)
+    if not any(map(operator.lt, (start for start, _, _ in itertools.islice(spans, 1, None)), reach)):
+        return []  # no range starts before an earlier one ends
     problems = []
-    for ranges in by_storage.values():
-        ranges.sort(key=lambda r: r[0])
-        for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
-            if start >= end or _same_memory(filled[a], filled[b]):
+    open_: list[Span] = []
+    for start, end, b in spans:
+        open_ = [r for r in open_ if r[1] > start]
+        twin, device, view = False, targets[b].device, _view_of(entries[b])
+        for _, _, a in open_:
+            if targets[a].device != device:
                 continue
-            ea, eb = entries[a], entries[b]
-            if ea.view is not None and eb.view is not None and ea.stored_as == eb.stored_as:
-                continue  # views the file stores over the same bytes: written consistently
-            problems.append(f"{key_str(a)} and {key_str(b)} overlap in memory, but the file holds them apart: "
-                            "loading one would overwrite the other")
+            if _same_memory(targets[a], targets[b]):
+                twin = twin or _view_of(entries[a]) == view
+            elif _view_of(entries[a]) is None or _view_of(entries[a]) != view:
+                problems.append(f"{key_str(a)} and {key_str(b)} overlap in memory, but the file holds them "
+                                "apart: loading one would overwrite the other")
+        if not twin:
+            open_.append((start, end, b))
     return problems
 
 
-def _destinations(entries: list[TensorEntry], targets: dict[KeyPath, torch.Tensor], blobs: dict[str, torch.Tensor]
+def _view_of(e: TensorEntry) -> str | None:
+    """The stored bytes a view entry is a view of: views of the same are written consistently."""
+    return e.stored_as if e.view is not None else None
+
+
+def _destinations(entries: Iterable[TensorEntry], targets: dict[KeyPath, torch.Tensor], blobs: dict[str, torch.Tensor]
                   ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Where each stored tensor streams to, and the copies to make once it is read and verified:
     the same tensor saved twice, and views of shared storage (read into a temporary, or into the
     ``blobs`` created for them)."""
     dests: dict[str, torch.Tensor] = dict(blobs)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, loaded source)
+    views: list[tuple[TensorEntry, View, torch.Tensor]] = []
     for e in entries:
-        if e.path in targets and e.view is None:
-            target = targets[e.path]
-            if e.stored_as in dests and not _same_memory(dests[e.stored_as], target):
-                copies.append((target, dests[e.stored_as]))
-            dests.setdefault(e.stored_as, target)
-    for e in entries:
-        if e.path in targets and e.view is not None:
-            if e.stored_as not in dests:
-                dests[e.stored_as] = torch.empty(e.end - e.offset, dtype=torch.uint8, device=targets[e.path].device)
-            source = make_view(dests[e.stored_as], e.view)
-            if not _same_memory(source, targets[e.path]):
-                copies.append((targets[e.path], source))
+        target = targets.get(e.path)
+        if target is None:
+            continue
+        if e.view is not None:
+            views.append((e, e.view, target))  # once every stored tensor has its destination
+            continue
+        held = dests.get(e.stored_as)
+        if held is None:
+            dests[e.stored_as] = target
+        elif not _same_memory(held, target):
+            copies.append((target, held))
+    for e, view, target in views:
+        if e.stored_as not in dests:
+            dests[e.stored_as] = torch.empty(e.end - e.offset, dtype=torch.uint8, device=target.device)
+        source = make_view(dests[e.stored_as], view)
+        if not _same_memory(source, target):
+            copies.append((target, source))
     return dests, copies
 
 
@@ -167,9 +241,9 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
     """New tensors for the file's tensors that ``state`` lacks below an empty container of it,
     and the blobs of shared bytes that those stored as views are views of (each of its stored
     size: a view's shape may describe more)."""
-    empty = _empty_containers(state) if device is not None else set()
-    wanted = [e for e in reader.entries()
-              if empty and e.path not in targets and any(e.path[:i] in empty for i in range(len(e.path)))]
+    absent = [e for e in reader.entries() if e.path not in targets] if device is not None else []
+    empty = _empty_containers(state) if absent else set()
+    wanted = [e for e in absent if empty and any(e.path[:i] in empty for i in range(len(e.path)))]
     if not wanted:
         return {}, {}
     if device == "auto":
@@ -244,11 +318,13 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
               direct_io=direct_io) as reader:
         with _gc.paused():
+            entries = {e.path: e for e in reader.entries()}
             created, blobs = _created(reader, state, targets, device)
             targets.update(created)
-            _match(reader, targets, strict)
-            _check_destinations(reader, targets)
-            dests, copies = _destinations(reader.entries(), targets, blobs)
+            found = _survey(targets, entries)
+            _match(reader.path, entries, targets, found, strict)
+            _check_destinations(reader.path, entries, targets, found)
+            dests, copies = _destinations(entries.values(), targets, blobs)
             # every stored tensor: those without a target are read for their checksums
             wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
         reader.stream(wanted, checksum=checksum, progress=progress)
