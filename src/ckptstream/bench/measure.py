@@ -113,6 +113,7 @@ def touch(state: Any) -> None:
     for _, t in iter_tensors(state):
         if t.device.type != "cpu" or not t.numel():
             continue
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own bytes: its shard
         begin = t.data_ptr()
         reach = t.nbytes if t.is_contiguous() else (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(),
                                                                                        strict=True))) * t.element_size()

@@ -3,7 +3,9 @@
 A load variant either returns a new state (``in_place=False``: it gets the saved state only to
 know shapes) or fills a preallocated one (``in_place=True``: the benchmark allocates the target
 before the clock starts, as a training job that already holds its model would). A variant that
-loads to some devices only (``devices``) is not run, nor listed, on the others.
+loads to some devices only (``devices``) is not run, nor listed, on the others. ``prepare``
+(of a system, for its saves; of a variant, for its targets) turns a state into the form the
+system takes before the clock starts: DCP's users hold their state as DTensors already.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ import ckptstream
 from .measure import quiet_warnings
 from .state import State, empty_like_state, flat_tensors, iter_tensors
 
-Save = Callable[[State, str, int], None]  # (state, path, world size)
-Load = Callable[[str, Any, str, int], Any]  # (path, saved state or target, device, world size) -> state
+Save = Callable[[Any, str, int], None]  # (prepared state, path, world size)
+Load = Callable[[str, Any, str, int], Any]  # (path, saved state or prepared target, device, world size) -> state
+Prepare = Callable[[State, int], Any]  # (state, world size) -> the state as the system takes it
+
+
+def _as_it_is(state: State, world: int) -> Any:
+    return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +39,7 @@ class Variant:
     load: Load
     in_place: bool = False
     devices: tuple[str, ...] = ("cpu", "cuda")  # device types it loads to
+    prepare: Prepare = _as_it_is  # the target, before the clock (in place: the target is the result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +49,7 @@ class System:
     filename: str  # the checkpoint file in the system's directory ("" for a directory)
     save: Save
     variants: tuple[Variant, ...]
+    prepare: Prepare = _as_it_is  # the state, before the clock
 
     def variants_on(self, device: str) -> tuple[Variant, ...]:
         """The load variants that run on ``device`` ("cpu", "cuda", "cuda:1")."""
@@ -147,23 +156,22 @@ def _dcp_state(state: Any, world: int) -> Any:
 
 
 def _dcp_save_with(writer: Any) -> Save:
-    def save(state: State, path: str, world: int) -> None:
+    def save(state: Any, path: str, world: int) -> None:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         with quiet_warnings():
-            dcp_save(_dcp_state(state, world), storage_writer=writer(path), no_dist=world == 1)
+            dcp_save(state, storage_writer=writer(path), no_dist=world == 1)
 
     return save
 
 
 def _dcp_load_with(reader: Any) -> Load:
-    def load(path: str, target: Any, device: str, world: int) -> Any:
+    def load(path: str, wrapped: Any, device: str, world: int) -> Any:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        wrapped = _dcp_state(target, world)  # loading into it fills target in place
         with quiet_warnings():
-            dcp_load(wrapped, storage_reader=reader(path), no_dist=world == 1)
-        return target if world > 1 else wrapped
+            dcp_load(wrapped, storage_reader=reader(path), no_dist=world == 1)  # fills the target in place
+        return wrapped
 
     return load
 
@@ -204,10 +212,11 @@ SYSTEMS: dict[str, System] = {
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),
         System("safetensors", "safetensors.torch", "safetensors", _st_save, (Variant("safetensors", _st_load),)),
         System("dcp", "torch.distributed.checkpoint", "", _dcp_save_with(_fs_writer),
-               (Variant("dcp", _dcp_load_with(_fs_reader), in_place=True),)),
+               (Variant("dcp", _dcp_load_with(_fs_reader), in_place=True, prepare=_dcp_state),), _dcp_state),
         # DCP with ckptstream as its storage (StreamWriter / StreamReader)
         System("dcp-stream", "torch.distributed.checkpoint", "", _dcp_save_with(_stream_writer),
-               (Variant("dcp-stream", _dcp_load_with(_stream_reader), in_place=True),)),
+               (Variant("dcp-stream", _dcp_load_with(_stream_reader), in_place=True, prepare=_dcp_state),),
+               _dcp_state),
     )
 }
 DEFAULT = ("ckptstream", "torch", "safetensors", "dcp")

@@ -108,10 +108,11 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     # Hot loads take a fraction of a second but vary from run to run: HOT_RUNS of them per
     # variant, the variants taking turns, so that the machine's drift falls on all alike.
     hot_rounds = max(1, -(-HOT_RUNS // job["repeat"])) if "hot" in temps else 0
+    prepared = system.prepare(state, world)
     try:
         for r in range(job["repeat"]):
             _clear(path, group, shared)
-            rec, _ = timed_phase(group, lambda: system.save(state, path, world), None, cold)
+            rec, _ = timed_phase(group, lambda: system.save(prepared, path, world), None, cold)
             runs["save"].append(rec)
             _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
             files = cache.files_under(path)
@@ -138,9 +139,11 @@ def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | No
           temp: str) -> dict[str, Any]:
     """One timed load of variant ``v``, checked against the saved state."""
     target = empty_like_state(state, group.device, resident=True) if v.in_place else state
+    given = v.prepare(target, group.world)
 
     def load() -> Any:
-        out = v.load(path, target, group.device, group.world)
+        out = v.load(path, given, group.device, group.world)
+        out = target if v.in_place else out  # filled in place (``given`` may hold it as DTensors)
         touch(out)  # a lazily mapped load has finished only once its bytes are in memory
         return out
 
