@@ -15,7 +15,16 @@ import ckptstream
 from ckptstream import _load_into
 from ckptstream._header import DTYPE_NAMES
 from ckptstream._structure import KeyPath
-from helpers import WRITABLE_EDGE_CASES, as_bytes, assert_bytes_equal, is_poisoned, poison, poisoned_like, random_tensor
+from helpers import (
+    WRITABLE_EDGE_CASES,
+    as_bytes,
+    assert_bytes_equal,
+    header_of,
+    is_poisoned,
+    poison,
+    poisoned_like,
+    random_tensor,
+)
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
@@ -44,6 +53,42 @@ def test_fills_tensors_in_place(device: torch.device, tmp_path: Path) -> None:
     assert_bytes_equal(target["nested"][3][0], state["nested"][3][0])
     assert (out["step"], out["name"], out["lr"], out["flags"]) == (7, "run ü", 0.5, (True, None))  # from the file
     assert target["step"] == 0  # the given structure itself is not modified
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("buffer_size", [4096, 16 << 20], ids=["4k", "16m"])
+def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path, buffer_size: int) -> None:
+    """Small tensors bound for a GPU go through a scratch run and one copy call: every target
+    (plain, Parameter, non-contiguous, large, of every dtype) keeps its memory and gets exact
+    bytes; a corrupt byte is named by its tensor, and the gathered targets are left as they were."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64]
+    state: dict[str, Any] = {f"s{i}": random_tensor((i % 9 + 1, 3) if i % 3 else (i % 17 + 1,), dtypes[i % 6], "cuda")
+                             for i in range(2000)}
+    state["p"] = nn.Parameter(random_tensor((300,), torch.float32, "cuda"))
+    state["t"] = random_tensor((40, 30), torch.float16, "cuda").t()  # non-contiguous: streamed on its own
+    state["big"] = random_tensor((300_000,), torch.float32, "cuda")
+    path = tmp_path / "small.safetensors"
+    ckptstream.save(state, path)
+    targets = {k: poisoned_like(v) for k, v in state.items()}
+    targets["p"] = nn.Parameter(poisoned_like(state["p"]))
+    targets["t"] = poisoned_like(torch.empty(30, 40, dtype=torch.float16, device="cuda")).t()
+    where = {k: v.data_ptr() for k, v in targets.items()}
+    ckptstream.load_into(targets, path, buffer_size=buffer_size)
+    for k, v in state.items():
+        assert targets[k].data_ptr() == where[k], k
+        assert_bytes_equal(targets[k], v)
+    raw = bytearray(path.read_bytes())
+    start, table = header_of(path)
+    _, end = table["s1234"]["data_offsets"]
+    raw[start + end - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with torch.no_grad():
+        for v in targets.values():
+            poison(v)
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'s1234' fails its CRC-32C"):
+        ckptstream.load_into(targets, path, buffer_size=buffer_size)
+    assert is_poisoned(targets["s1234"])
+    assert is_poisoned(targets["s5"])
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513])

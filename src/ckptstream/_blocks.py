@@ -47,8 +47,8 @@ class Destinations:
 
 def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             alone: Collection[str] = ()) -> Destinations:
-    """Allocate every stored tensor of ``infos`` (in file order, back to back: as a decoded header
-    holds them) on ``device`` in few allocations;
+    """Allocate every stored tensor of ``infos`` (in file order; a run ends where the next one
+    does not follow back to back) on ``device`` in few allocations;
     those named in ``alone`` (the bases of views, which may view their bytes as any dtype) get an
     allocation of their own."""
     out = Destinations({}, [], [], [])
@@ -60,7 +60,7 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             run = []
             out.tensors[t.name] = _alone(out, t, data_start, device)
             continue
-        if t.nbytes >= SMALL or (run and t.end - run[0].begin > BLOCK):
+        if t.nbytes >= SMALL or (run and (t.begin != run[-1].end or t.end - run[0].begin > BLOCK)):
             _flush(out, run, data_start, device)
             run = []
         run.append(t)

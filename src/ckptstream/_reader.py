@@ -9,6 +9,7 @@ is read until asked. Each tensor is indexed by its user-facing key path
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -328,20 +329,39 @@ class CheckpointReader:
                stream: torch.cuda.Stream | None = None) -> None:
         """Stream stored tensors (by their table names) into ``dests``' tensors; a name mapped
         to None is read for its checksum only (not read without checksums), names not in
-        ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C."""
+        ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C.
+
+        Small tensors bound for a GPU, into plain contiguous tensors of their dtype and shape,
+        are read as a whole load reads them: runs of them into a scratch allocation per device
+        (see ``_blocks``; at most ``GATHER_UP_TO`` bytes each), checksummed there, then copied
+        into their destinations with one call per device. Thousands of them cost one piece per
+        run instead of one each."""
         check = checksum and self.header.crcs is not None
-        start, pieces, stored = self.header.data_start, [], []
+        start, crcs = self.header.data_start, self.header.crcs or itertools.repeat(0)
         with _gc.paused():
-            for t, crc in zip(self.header.tensors, self.header.crcs or itertools.repeat(0), strict=False):
-                dst = dests.get(t.name, _SKIP)
+            gathered = _gathered(self.header.tensors, dests)
+            runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in gathered.items()}
+            pieces: list[Piece] = [p for to in runs.values() for p in to.pieces]
+            spans = [(*span, name) for to in runs.values() for span, name in zip(to.spans, to.names, strict=True)]
+            taken = {name for to in runs.values() for name in to.tensors}
+            for t in self.header.tensors:
+                dst = dests.get(t.name, _SKIP) if t.end > t.begin else _SKIP  # no bytes: nothing to read or check
                 if isinstance(dst, torch.Tensor):
-                    pieces.append(Piece.of(dst, start + t.begin))
+                    if t.name not in taken:
+                        pieces.append(Piece.of(dst, start + t.begin))
+                        spans.append((start + t.begin, start + t.end, t.name))
                 elif dst is None and check:
                     pieces.append(Piece.unread(t.nbytes, start + t.begin))
-                else:
-                    continue
-                stored.append((t.name, crc))
-        self._compare(stored, self._run(pieces, check, progress, stream=stream))
+                    spans.append((start + t.begin, start + t.end, t.name))
+            if runs:  # each piece's bytes, or a run's tensors: checksums by span, in file order
+                spans.sort()
+            by_name = dict(zip((t.name for t in self.header.tensors), crcs, strict=False))
+            stored = [(name, by_name[name]) for *_, name in spans]
+        got = self._run(pieces, check, progress, stream=stream, spans=[(b, e) for b, e, _ in spans] if runs else None)
+        self._compare(stored if check else [], got)
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            for to in runs.values():  # on the stream the engine handed its copies back to
+                torch._foreach_copy_([dests[n] for n in to.names], [to.tensors[n] for n in to.names])  # type: ignore[misc]
 
     def _keys_of(self, stored_as: str) -> str:
         """The user-facing keys of a stored tensor, for messages."""
@@ -359,6 +379,32 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+GATHER_UP_TO = 256 << 20  # scratch bytes per GPU that ``stream`` may gather small tensors in
+
+
+def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Tensor | None]
+              ) -> dict[torch.device, list[_header.TensorInfo]]:
+    """By GPU, the small stored tensors (in file order) whose destinations a scratch run can fill
+    with one copy call: plain, contiguous, of the stored dtype and shape. (On the CPU the engine
+    reads straight into each destination for about the same cost.)"""
+    out: dict[int, list[_header.TensorInfo]] = {}
+    room: dict[int, int] = {}
+    for t in infos:
+        dst = dests.get(t.name)
+        if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in _PLAIN
+                or dst.dtype is not t.dtype or not dst.is_contiguous() or dst.shape != t.shape):
+            continue
+        gpu = dst.get_device()
+        left = room.get(gpu, GATHER_UP_TO) - t.nbytes
+        if left >= 0:
+            room[gpu] = left
+            out.setdefault(gpu, []).append(t)
+    return {torch.device("cuda", gpu): run for gpu, run in out.items()}
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class TensorSlice:
