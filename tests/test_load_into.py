@@ -71,7 +71,7 @@ def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path,
     ckptstream.save(state, path)
     targets = {k: poisoned_like(v) for k, v in state.items()}
     targets["p"] = nn.Parameter(poisoned_like(state["p"]))
-    targets["t"] = poisoned_like(torch.empty(30, 40, dtype=torch.float16, device="cuda")).t()
+    targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device="cuda")).t()
     where = {k: v.data_ptr() for k, v in targets.items()}
     ckptstream.load_into(targets, path, buffer_size=buffer_size)
     for k, v in state.items():
