@@ -157,6 +157,16 @@ DTYPES = [
 ]
 
 
+def needs_dtype(name: str, since: str) -> pytest.MarkDecorator:
+    """Skip where torch has no ``torch.<name>`` (added in torch ``since``)."""
+    return pytest.mark.skipif(not hasattr(torch, name), reason=f"torch {torch.__version__} has no {name} ({since}+)")
+
+
+FLOAT4: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)  # safetensors' F4
+needs_float4 = needs_dtype("float4_e2m1fn_x2", "2.8")
+needs_e8m0 = needs_dtype("float8_e8m0fnu", "2.7")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
