@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -146,12 +147,18 @@ def _dcp_state(state: Any, world: int) -> Any:
     return state if isinstance(state, dict) else {"state": state}
 
 
+def _single_process(dcp_call: Callable[..., Any], world: int) -> dict[str, bool]:
+    """DCP's ``no_dist=True`` for one rank. torch 2.4's save and load have no such argument:
+    without a process group they run in one process by themselves (with a warning)."""
+    return {"no_dist": world == 1} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
+
 def _dcp_save_with(writer: Any) -> Save:
     def save(state: State, path: str, world: int) -> None:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         with quiet_warnings():
-            dcp_save(_dcp_state(state, world), storage_writer=writer(path), no_dist=world == 1)
+            dcp_save(_dcp_state(state, world), storage_writer=writer(path), **_single_process(dcp_save, world))
 
     return save
 
@@ -162,7 +169,7 @@ def _dcp_load_with(reader: Any) -> Load:
 
         wrapped = _dcp_state(target, world)  # loading into it fills target in place
         with quiet_warnings():
-            dcp_load(wrapped, storage_reader=reader(path), no_dist=world == 1)
+            dcp_load(wrapped, storage_reader=reader(path), **_single_process(dcp_load, world))
         return target if world > 1 else wrapped
 
     return load
