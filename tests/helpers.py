@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ckptstream import _checksum, _header
-from ckptstream._engine import Piece
+from ckptstream._engine import Piece, copyable
 from ckptstream._engine.buffers import POOL
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +81,8 @@ def is_poisoned(t: torch.Tensor) -> bool:
 
 def as_bytes(t: torch.Tensor) -> bytes:
     """The logical row-major bytes of ``t`` (what ``t.contiguous()`` holds), on the host."""
-    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # fresh strides: size-1 dims may carry any
+    src = copyable(t.detach())
+    fresh = torch.empty(src.shape, dtype=src.dtype).copy_(src)  # fresh strides: size-1 dims may carry any
     return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -141,7 +142,7 @@ class EdgeCase:
     def expected_base(self, src: torch.Tensor) -> torch.Tensor:
         """What a destination base holds after a correct read of ``src``."""
         base = poison(torch.empty(self.shape, dtype=self.dtype, device=src.device))
-        self.view(base).copy_(src)
+        copyable(self.view(base)).copy_(copyable(src))
         return base
 
 
