@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint gpu-test clean
+.PHONY: demo test lint gpu-test test-torch clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -m "not gpu and not slow"
+
+# the CPU suite under another torch release, in a venv of its own (CUDA builds: GBs to download)
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.4.1"; exit 2; }
+	PYTHON=$(PYTHON) .ci/torch-matrix $(TORCH)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

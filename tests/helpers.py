@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ckptstream import _checksum, _header
-from ckptstream._engine import Piece
+from ckptstream._engine import Piece, copyable
 from ckptstream._engine.buffers import POOL
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +81,8 @@ def is_poisoned(t: torch.Tensor) -> bool:
 
 def as_bytes(t: torch.Tensor) -> bytes:
     """The logical row-major bytes of ``t`` (what ``t.contiguous()`` holds), on the host."""
-    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # fresh strides: size-1 dims may carry any
+    src = copyable(t.detach())
+    fresh = torch.empty(src.shape, dtype=src.dtype).copy_(src)  # fresh strides: size-1 dims may carry any
     return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -141,7 +142,7 @@ class EdgeCase:
     def expected_base(self, src: torch.Tensor) -> torch.Tensor:
         """What a destination base holds after a correct read of ``src``."""
         base = poison(torch.empty(self.shape, dtype=self.dtype, device=src.device))
-        self.view(base).copy_(src)
+        copyable(self.view(base)).copy_(copyable(src))
         return base
 
 
@@ -155,6 +156,16 @@ DTYPES = [
     *_optional_dtypes("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                       "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"),
 ]
+
+
+def needs_dtype(name: str, since: str) -> pytest.MarkDecorator:
+    """Skip where torch has no ``torch.<name>`` (added in torch ``since``)."""
+    return pytest.mark.skipif(not hasattr(torch, name), reason=f"torch {torch.__version__} has no {name} ({since}+)")
+
+
+FLOAT4: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)  # safetensors' F4
+needs_float4 = needs_dtype("float4_e2m1fn_x2", "2.8")
+needs_e8m0 = needs_dtype("float8_e8m0fnu", "2.7")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

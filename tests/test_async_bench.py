@@ -13,7 +13,15 @@ from ckptstream.bench import training
 TINY = 1 / 1024  # GiB: about 1 MiB of state
 
 
+def _has_default_stager() -> bool:
+    """DCP's DefaultStager (pinned, asynchronous staging) came with torch 2.9."""
+    from torch.distributed.checkpoint import staging
+
+    return hasattr(staging, "DefaultStager")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP without a process group
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # torch 2.4's FileSystemWriter
 def test_every_system_in_process(tmp_path: Path) -> None:
     result = training.run(TINY, device="cpu", directory=str(tmp_path), checkpoints=1, isolate=False)
     json.dumps(result)  # JSON-able
@@ -22,6 +30,9 @@ def test_every_system_in_process(tmp_path: Path) -> None:
     assert 0.5 * TINY * 2**30 <= result["state_bytes"] <= 2 * TINY * 2**30
     assert list(result["systems"]) == list(training.SYSTEMS)
     for name, row in result["systems"].items():
+        if name == "dcp.async_save+pinned" and not _has_default_stager():
+            assert row["error"].startswith("ImportError: dcp.async_save+pinned needs torch 2.9 or later"), row
+            continue
         assert "error" not in row, (name, row)
         assert row["checkpoints"] == 1
         assert row["step_s"] > 0

@@ -25,7 +25,16 @@ import ckptstream
 from ckptstream import _fileio, _header, _publish
 from ckptstream._engine.layout import flat_bytes
 from ckptstream._header import DTYPE_NAMES
-from helpers import EDGE_CASES, Resources, assert_bytes_equal, header_of, random_bytes, random_tensor
+from helpers import (
+    EDGE_CASES,
+    FLOAT4,
+    Resources,
+    assert_bytes_equal,
+    header_of,
+    needs_float4,
+    random_bytes,
+    random_tensor,
+)
 
 KiB = 1 << 10
 STORABLE_EDGE_CASES = [c for c in EDGE_CASES if c.dtype in DTYPE_NAMES]
@@ -255,6 +264,26 @@ def test_edge_case_tensors_round_trip(device: torch.device, tmp_path: Path, buff
             assert t.is_contiguous(), name
             assert on(t, where), name
             assert_bytes_equal(t, state[name])
+
+
+@needs_float4
+@pytest.mark.parametrize("buffer_size", [None, 4096])
+def test_float4_views_and_background_saves(device: torch.device, tmp_path: Path, buffer_size: int | None) -> None:
+    """float4 tensors move as bytes (torch 2.8 cannot copy them): a transposed one saved and
+    loaded into a transposed target, and every save_async mode."""
+    assert FLOAT4 is not None
+    state = {"t": random_tensor((64, 90), FLOAT4, device).t(), "c": random_tensor((5, 3), FLOAT4, device)}
+    path = tmp_path / "f4.safetensors"
+    ckptstream.save(state, path, buffer_size=buffer_size)
+    targets = {"t": torch.empty(64, 90, dtype=FLOAT4, device=device).t(), "c": torch.empty(5, 3, dtype=FLOAT4,
+                                                                                           device=device)}
+    ckptstream.load_into(targets, path, buffer_size=buffer_size)
+    for mode in ("device", "lazy", "host"):
+        ckptstream.save_async(state, tmp_path / f"{mode}.safetensors", mode=mode, buffer_size=buffer_size).result()
+        loaded = ckptstream.load(tmp_path / f"{mode}.safetensors", device=device)
+        for name, t in state.items():
+            assert_bytes_equal(loaded[name], t)
+            assert_bytes_equal(targets[name], t)
 
 
 def test_small_buffers_from_settings(tmp_path: Path) -> None:

@@ -100,9 +100,14 @@ def gloo_group(tmp_path: Path) -> Any:
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:DTensor random operators:UserWarning")  # torch 2.4, on a CPU mesh
 def test_dtensor_points_to_the_distributed_backend(gloo_group: Any, tmp_path: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import Shard, distribute_tensor  # type: ignore[attr-defined]
 
     dt = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
     (tmp_path / "out").mkdir()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._engine import Mark, mark
+from ._engine import Mark, copyable, mark
 from ._header import empty_tensor
 
 MODES = ("device", "lazy", "host")
@@ -59,7 +59,7 @@ def _copy(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Ten
     else:
         out = empty_tensor(tuple(t.shape), t.dtype, device)
     if t.numel():
-        out.copy_(t, non_blocking=pin or out.is_cuda)
+        copyable(out).copy_(copyable(t), non_blocking=pin or out.is_cuda)
     return out
 
 

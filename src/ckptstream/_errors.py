@@ -27,7 +27,8 @@ class StateMismatchError(CkptStreamError, ValueError):
 
 
 class UnsupportedTypeError(CkptStreamError, TypeError):
-    """A state holds a value that cannot be stored (an object, an unsupported dtype)."""
+    """A state holds a value that cannot be stored (an object, an unsupported dtype), or a file
+    holds a dtype that this torch does not have."""
 
 
 class StateMismatchWarning(UserWarning):

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from . import _checksum
-from ._errors import CorruptCheckpointError
+from ._errors import CorruptCheckpointError, UnsupportedTypeError
 from ._fileio import round_up
 from ._settings import ALIGN
 
@@ -63,6 +63,8 @@ _NAMES = {
 # last dimension is half the header's
 _PACKED = {"F4": 2}
 DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
+# the torch release that added each dtype that torch>=2.4 may lack (its files need that torch)
+_TORCH_SINCE = {"F8_E8M0": "2.7", "F4": "2.8"}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
 
@@ -385,6 +387,10 @@ def _bad_entry(path: str, name: str, raw: Any) -> NoReturn:
     if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= set(raw):
         raise _corrupt(path, f"{where}: expected an object with dtype, shape and data_offsets, got {raw!r:.200}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if isinstance(dtype, str) and dtype in _NAMES and dtype not in DTYPES:  # a valid file all the same
+        newer = f"torch {_TORCH_SINCE[dtype]} or later" if dtype in _TORCH_SINCE else "a newer torch"
+        raise UnsupportedTypeError(f"{path}: {where}: dtype {dtype} needs torch.{_NAMES[dtype]}, which torch "
+                                   f"{torch.__version__} does not have; read this file with {newer}")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, f"{where}: unknown dtype {dtype!r:.100}; known: {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):

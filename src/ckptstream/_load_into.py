@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _gc
-from ._engine import check_tensor, streamable
+from ._engine import check_tensor, copyable, streamable
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._flatten import walk
 from ._header import empty_tensor
@@ -330,6 +330,6 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         reader.stream(wanted, checksum=checksum, progress=progress)
         with torch.no_grad():
             for target, source in copies:
-                target.copy_(source)
+                copyable(target).copy_(copyable(source))
         with _gc.paused():
             return reader.rebuild(lambda entry: targets.get(entry.path))

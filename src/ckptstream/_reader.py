@@ -394,7 +394,8 @@ def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Ten
     for t in infos:
         dst = dests.get(t.name)
         if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in _PLAIN
-                or dst.dtype is not t.dtype or not dst.is_contiguous() or dst.shape != t.shape):
+                or dst.dtype is not t.dtype or t.dtype in _blocks.PACKED or not dst.is_contiguous()
+                or dst.shape != t.shape):  # packed dtypes: some torch releases cannot copy them
             continue
         gpu = dst.get_device()
         left = room.get(gpu, GATHER_UP_TO) - t.nbytes

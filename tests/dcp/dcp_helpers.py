@@ -102,6 +102,12 @@ def has_hf_reader() -> bool:
     return torch_version() >= (2, 9)
 
 
+def metadata_error(kind: type[BaseException]) -> type[BaseException]:
+    """The error a rank's failure holds when StreamReader.read_metadata raises ``kind``: torch
+    2.9+ then tries the rank's own metadata and raises an AssertionError holding both messages."""
+    return AssertionError if torch_version() >= (2, 9) else kind
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # NVLink multicast stays off on shared GPU hosts
@@ -182,8 +188,8 @@ def box(full: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) -> tor
 
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """A destination whose every element differs from what a load should put there."""
-    if t.dtype.is_floating_point:
-        return torch.full_like(t, float("nan"))
+    if t.dtype.is_floating_point:  # filled in float32: torch 2.4 has no float8 fill on the CPU
+        return torch.full_like(t, float("nan"), dtype=torch.float32).to(t.dtype)
     return torch.full_like(t, -7) if t.dtype != torch.bool else ~t
 
 

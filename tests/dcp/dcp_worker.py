@@ -197,7 +197,10 @@ def no_collectives(ctx: Ctx) -> None:
 # --- FSDP2 + AdamW: a resume equal bit for bit to an uninterrupted run ---------------------
 
 def build(ctx: Ctx, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # older torch (2.4) has FSDP2 only here
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[attr-defined]
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 33),

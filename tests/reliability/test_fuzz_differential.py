@@ -34,14 +34,15 @@ DIFFERENTIAL = settings(max_examples=400, deadline=None, derandomize=True, datab
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                HealthCheck.function_scoped_fixture])  # fmt: skip
 
-# safetensors' dtype names, spelled out here rather than taken from ckptstream (an oracle of its own)
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2,
-}  # fmt: skip
+# safetensors' dtype names, spelled out here rather than taken from ckptstream (an oracle of its own);
+# those whose torch dtype this torch lacks (F8_E8M0 before 2.7, F4 before 2.8) are left out
+TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
+}.items() if hasattr(torch, attr)}  # fmt: skip
 HALVED = {"F4"}  # two 4-bit elements a byte: the header's last dimension is twice torch's
 STORABLE = [c for c in EDGE_CASES if c.dtype in TORCH_DTYPES.values()]  # complex128 has no safetensors name
 

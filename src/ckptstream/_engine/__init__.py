@@ -4,7 +4,7 @@ move them; ``buffers``, ``streams`` and ``layout`` are what they move them with.
 
 from .buffers import release_staging, staging_bytes
 from .control import TransferCancelled, interrupts_deferred
-from .layout import check_tensor, streamable
+from .layout import check_tensor, copyable, streamable
 from .plan import Piece
 from .read import ReadEngine
 from .streams import Mark, check_stream, mark
@@ -18,6 +18,7 @@ __all__ = [
     "WriteEngine",
     "check_stream",
     "check_tensor",
+    "copyable",
     "interrupts_deferred",
     "mark",
     "release_staging",

@@ -16,6 +16,15 @@ import torch
 
 from .._errors import UnsupportedTypeError
 
+# torch 2.8 has no copy kernel for float4_e2m1fn_x2 (2.12 has): its tensors are copied as the
+# uint8 views of their bytes, one byte an element as well
+_BYTE_COPIED = frozenset(d for d in [getattr(torch, "float4_e2m1fn_x2", None)] if d is not None)
+
+
+def copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the uint8 view of its bytes where its dtype may have no copy kernel."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_COPIED else t
+
 
 def streamable(t: torch.Tensor) -> bool:
     """Whether the engine can move ``t``'s bytes: a dense (strided) CPU or CUDA tensor."""
@@ -111,6 +120,7 @@ def copy_out(t: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
     A host tensor's whole elements go straight into ``dst``; elements cut by lo or hi, and a
     device tensor's bytes, through a temporary of the range's size on its device.
     """
+    t = copyable(t)
     if t.is_contiguous():
         dst.copy_(flat_bytes(t)[lo:hi], non_blocking=True)
         return
@@ -139,6 +149,7 @@ def copy_in(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.T
     bytes of an element cut by a piece's end until the next piece completes it. A host tensor's
     whole elements come straight from ``src``; a device tensor's through a temporary.
     """
+    t = copyable(t)
     if t.is_contiguous():
         flat_bytes(t)[lo:hi].copy_(src, non_blocking=True)
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -155,12 +156,18 @@ def _dcp_state(state: Any, world: int) -> Any:
     return state if isinstance(state, dict) else {"state": state}
 
 
+def _single_process(dcp_call: Callable[..., Any], world: int) -> dict[str, bool]:
+    """DCP's ``no_dist=True`` for one rank. torch 2.4's save and load have no such argument:
+    without a process group they run in one process by themselves (with a warning)."""
+    return {"no_dist": world == 1} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
+
 def _dcp_save_with(writer: Any) -> Save:
     def save(state: Any, path: str, world: int) -> None:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         with quiet_warnings():
-            dcp_save(state, storage_writer=writer(path), no_dist=world == 1)
+            dcp_save(state, storage_writer=writer(path), **_single_process(dcp_save, world))
 
     return save
 
@@ -170,7 +177,7 @@ def _dcp_load_with(reader: Any) -> Load:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         with quiet_warnings():
-            dcp_load(wrapped, storage_reader=reader(path), no_dist=world == 1)  # fills the target in place
+            dcp_load(wrapped, storage_reader=reader(path), **_single_process(dcp_load, world))  # fills the target
         return wrapped
 
     return load

@@ -160,7 +160,11 @@ def _dcp(state: dict[str, torch.Tensor], path: str, pinned: bool) -> Job:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's stager: no pinned memory without CUDA
         if pinned:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError as e:
+                raise ImportError(f"dcp.async_save+pinned needs torch 2.9 or later (DCP's DefaultStager); this is "
+                                  f"torch {torch.__version__}") from e
 
             cuda = torch.cuda.is_available()
             stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+# whether DCP's host-copy helpers (_create_cpu_state_dict, _copy_state_dict) copy DTensors
+_HELPERS_COPY_DTENSORS = torch.__version__ >= "2.7"
+
 
 class Staging(str, enum.Enum):
     """How ``dcp.async_save`` stages the state (see the module's docstring)."""
@@ -90,11 +93,20 @@ def _host_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
     DCP's own helpers, which keep each DTensor's mesh and placements."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-    plain = _rebuild(state_dict, _keep, {})  # containers and non-tensor values copied
+    # containers and non-tensor values copied; torch 2.4-2.6's helpers pass a DTensor through
+    # uncopied (the staged state would be the live one), so there each DTensor is copied here
+    plain = _rebuild(state_dict, _keep if _HELPERS_COPY_DTENSORS else _host_dtensor, {})
     on_cuda = any(t.is_cuda for t in tensors_of(plain))
     staged: dict[str, Any] = _create_cpu_state_dict(plain, pin_memory=on_cuda)
     _copy_state_dict(plain, staged, type_check=False)
     return staged
+
+
+def _host_dtensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's copy in host memory (same mesh and placements); other tensors as they are."""
+    if isinstance(getattr(t, "_local_tensor", None), torch.Tensor):
+        return t.detach().to("cpu", copy=True)
+    return t
 
 
 def tensors_of(state: Any) -> list[torch.Tensor]:
