@@ -5,7 +5,9 @@ host path takes over where the kernel cannot run."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
@@ -113,8 +115,8 @@ def test_kernel_arithmetic_gives_the_crc(monkeypatch: pytest.MonkeyPatch, nwords
 
 
 @pytest.mark.parametrize("nwords", [1, 7, 8, 255, 256, 257, 700])
-def test_span_build_arithmetic_gives_the_crc(nwords: int) -> None:
-    """The kernel's steps with the constants of its build for spans (a warp x 8 words)."""
+def test_span_instance_arithmetic_gives_the_crc(nwords: int) -> None:
+    """The kernel's steps with the constants of its instance for spans (a warp x 8 words)."""
     data = random.Random(nwords + 1).randbytes(4 * nwords)
     words = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
     consts = gpucrc._constants(gpucrc.SPAN_LANES, gpucrc.SPAN_BLOCK)
@@ -176,6 +178,43 @@ def test_whole_load_checksums_small_tensors_on_the_device(tmp_path: Path, monkey
     path.write_bytes(bytes(raw))
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'w1234' fails its CRC-32C"):
         ckptstream.load(path, device="cuda", buffer_size=buffer_size)
+
+
+@pytest.mark.gpu
+def test_kernels_build_beside_a_load_and_no_thread_outlives_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load into a GPU builds the kernels on a thread of its own while it reads the
+    header; the load joins it, also when it fails before reading a byte."""
+    builders: list[str] = []
+    real = gpucrc._built
+
+    def built(device: torch.device) -> Any:
+        builders.append(threading.current_thread().name)
+        return real(device)
+
+    monkeypatch.setattr(gpucrc, "_built", built)
+    path, bad = tmp_path / "s.safetensors", tmp_path / "bad.safetensors"
+    state = {f"w{i}": torch.randn(100 + i, device="cuda") for i in range(50)}
+    ckptstream.save(state, path)
+    bad.write_bytes(path.read_bytes()[:-1])
+    for load, target in ((ckptstream.load, path), (ckptstream.load, bad), (_load_into_gpu, path)):
+        monkeypatch.setattr(gpucrc, "_kernels", {})  # as in a new process
+        builders.clear()
+        try:
+            loaded = load(target)
+        except ckptstream.CorruptCheckpointError:
+            assert target == bad
+        else:
+            for k, v in state.items():
+                assert_bytes_equal(loaded[k], v)
+        assert builders == ["ckptstream-crc-build"]
+        assert not [t for t in threading.enumerate() if t.name == "ckptstream-crc-build"]
+
+
+def _load_into_gpu(path: Path) -> Any:
+    state = ckptstream.load(path, device="meta")
+    targets = {k: torch.empty_like(v, device="cuda") for k, v in state.items()}
+    ckptstream.load_into(targets, path)
+    return targets
 
 
 def test_spans_eligible() -> None:

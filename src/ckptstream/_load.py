@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 from . import _gc, _mapped
+from ._engine import gpucrc
 from ._reader import CheckpointReader, Device, as_device
 from ._settings import INHERIT, call_settings
 
@@ -92,8 +93,9 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
         _mapped.check_device(as_device(device))
     # the collector paused throughout: a load of many tensors allocates a few objects per tensor
     # (none in cycles), and a collection between its phases would scan them all again
-    with _gc.paused(), open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-                                 direct_io=direct_io) as reader:
+    gpu = as_device(device) if checksum and not mmap else None
+    with _gc.paused(), gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
+                                                         io_threads=io_threads, direct_io=direct_io) as reader:
         return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
 
 

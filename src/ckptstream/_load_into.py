@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _gc
-from ._engine import check_tensor, copyable, streamable
+from ._engine import check_tensor, copyable, gpucrc, streamable
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._flatten import walk
 from ._header import empty_tensor
@@ -315,8 +315,9 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     checksum = checksum_argument(checksum, verify, "load_into")
     with _gc.paused():
         targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
-    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-              direct_io=direct_io) as reader:
+    gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
+    with gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
+                                           io_threads=io_threads, direct_io=direct_io) as reader:
         with _gc.paused():
             entries = {e.path: e for e in reader.entries()}
             created, blobs = _created(reader, state, targets, device)

@@ -6,8 +6,8 @@ however fast the CRC code. The GPU reads device memory far faster and idles duri
 load into CUDA tensors checksums the large contiguous ones there, once all copies are queued:
 one launch per device for all of them, on the copies' stream. A whole load of many small tensors
 (runs of them in one allocation, see ``_blocks``) checksums each tensor there too, with a second
-build of the kernel whose blocks are one warp and 1 KiB, so that 20,000 tensors cost one launch
-and a few vectorised steps instead of a host call each. Everything stays on the host where the
+instance of the kernel whose blocks are one warp and 1 KiB, so that 20,000 tensors cost one
+launch and a few vectorised steps instead of a host call each. Everything stays on the host where the
 kernel cannot be built or its self-test fails.
 
 The kernel is CUDA C, compiled for the device on first use by NVRTC, the runtime compiler that
@@ -26,11 +26,12 @@ atomic. That is the tensor's register from 0 without inversions; ``finish`` make
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +41,7 @@ from .. import _checksum
 GPU_FROM = 1 << 20  # tensors from this size are checksummed on the GPU
 LANES, WORDS = 256, 256  # a block: LANES threads x WORDS 32-bit words
 BLOCK = LANES * WORDS * 4
-SPAN_LANES, SPAN_WORDS = 32, 8  # the build for spans of small tensors: a warp per KiB
+SPAN_LANES, SPAN_WORDS = 32, 8  # the instance for spans of small tensors: a warp per KiB
 SPAN_BLOCK = SPAN_LANES * SPAN_WORDS * 4
 _SHIFTS = 4096  # blocks after a block: up to _SHIFTS**2 (4 TiB tensors), looked up in two steps
 GPU_UP_TO = BLOCK * _SHIFTS**2
@@ -57,8 +58,8 @@ __device__ unsigned int mulmod(unsigned int a, unsigned int b) {  // a * b mod P
 }
 
 // tensors: [count, 3] (address, bytes, first block); consts: see _constants(); out: registers
-extern "C" __global__ void __launch_bounds__(LANES) crc32c_blocks(
-        const long long* tensors, int count, const unsigned int* consts, unsigned int* out) {
+template <int LANES, int WORDS>
+__device__ void crc32c_blocks(const long long* tensors, int count, const unsigned int* consts, unsigned int* out) {
     __shared__ unsigned int table[1024];
     __shared__ unsigned int shares[LANES / 32];
     for (int i = threadIdx.x; i < 1024; i += LANES) table[i] = consts[i];
@@ -94,6 +95,16 @@ extern "C" __global__ void __launch_bounds__(LANES) crc32c_blocks(
         atomicXor(out + lo, value);
     }
 }
+
+extern "C" __global__ void __launch_bounds__(TENSOR_LANES) crc32c_tensors(
+        const long long* tensors, int count, const unsigned int* consts, unsigned int* out) {
+    crc32c_blocks<TENSOR_LANES, TENSOR_WORDS>(tensors, count, consts, out);
+}
+
+extern "C" __global__ void __launch_bounds__(SPAN_LANES) crc32c_spans(
+        const long long* tensors, int count, const unsigned int* consts, unsigned int* out) {
+    crc32c_blocks<SPAN_LANES, SPAN_WORDS>(tensors, count, consts, out);
+}
 """
 
 
@@ -121,7 +132,7 @@ def _constants(lanes: int | None = None, block: int | None = None) -> list[int]:
 
 
 class _Built(NamedTuple):
-    """A device's two builds of the kernel, each with its constants."""
+    """A device's two instances of the kernel, each with its constants."""
 
     tensors: tuple[Any, torch.Tensor]  # LANES x WORDS: large tensors
     spans: tuple[Any, torch.Tensor]  # SPAN_LANES x SPAN_WORDS: many small ones
@@ -150,7 +161,7 @@ def crcs(tensors: list[torch.Tensor]) -> list[int]:
 def span_crcs(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
     """The CRC-32C of each byte range ``begins[k]:ends[k]`` of ``memory`` (uint8, 1-d, contiguous,
     on a CUDA device for which ``usable`` said yes; see ``spans_eligible``), in one launch of the
-    spans' build on the device's current stream; waits for it. Tables and results are handled
+    spans' instance on the device's current stream; waits for it. Tables and results are handled
     as tensors: nothing here costs a Python step per range."""
     device = memory.device
     kernel, consts = _kernels[device].spans  # type: ignore[union-attr]
@@ -201,6 +212,25 @@ def usable(device: torch.device) -> bool:
         return _kernels[device] is not None
 
 
+@contextlib.contextmanager
+def built_meanwhile(device: torch.device | None) -> Iterator[None]:
+    """Build the kernels for ``device`` (if a GPU, and not built yet) on a thread of their own
+    while the block runs: NVRTC takes a fraction of a second, which a load then overlaps with
+    reading the header (``usable`` waits for the build). The thread is joined when the block
+    ends, so none outlives it."""
+    thread = None
+    if device is not None and device.type == "cuda" and torch.version.cuda is not None:
+        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if device not in _kernels:
+            thread = threading.Thread(target=usable, args=(device,), name="ckptstream-crc-build", daemon=True)
+            thread.start()
+    try:
+        yield
+    finally:
+        if thread is not None:
+            thread.join()
+
+
 def _built(device: torch.device) -> _Built | None:
     from torch.cuda import _utils  # torch's own loader for NVRTC kernels
 
@@ -208,14 +238,14 @@ def _built(device: torch.device) -> _Built | None:
         return None
     try:
         major, minor = torch.cuda.get_device_capability(device)
-        nvrtc, arch = _utils._get_nvrtc_library(), f"sm_{major}{minor}"
+        image = _compile(_utils._get_nvrtc_library(), f"sm_{major}{minor}")
         builds = []
         with torch.cuda.device(device):
-            for lanes, words in ((LANES, WORDS), (SPAN_LANES, SPAN_WORDS)):
-                image = _compile(nvrtc, arch, lanes, words)
-                kernel = _utils._cuda_load_module(image, ["crc32c_blocks"])["crc32c_blocks"]  # type: ignore[index]
+            kernels = _utils._cuda_load_module(image, ["crc32c_tensors", "crc32c_spans"])
+            for name, lanes, words in (("crc32c_tensors", LANES, WORDS), ("crc32c_spans", SPAN_LANES, SPAN_WORDS)):
                 consts = _constants(lanes, lanes * words * 4)
-                builds.append((kernel, torch.tensor(consts, dtype=torch.int64).to(torch.int32).to(device)))  # uint32
+                builds.append((kernels[name],  # type: ignore[index]
+                               torch.tensor(consts, dtype=torch.int64).to(torch.int32).to(device)))  # uint32
         built = _kernels[device] = _Built(*builds)  # where crcs finds them for the self-test
         if _self_test(device):
             return built
@@ -227,10 +257,12 @@ def _built(device: torch.device) -> _Built | None:
     return None
 
 
-def _compile(nvrtc: ctypes.CDLL, arch: str, lanes: int, words: int) -> bytes:
-    """The kernel for blocks of ``lanes`` threads x ``words`` words, compiled by NVRTC for
-    ``arch`` (e.g. sm_90), as a cubin."""
-    source = f"#define LANES {lanes}\n#define WORDS {words}\n#define SHIFTS {_SHIFTS}\n{_SOURCE}".encode()
+def _compile(nvrtc: ctypes.CDLL, arch: str) -> bytes:
+    """The kernel's two instances (one program: NVRTC's cost is mostly per program), compiled by
+    NVRTC for ``arch`` (e.g. sm_90), as a cubin."""
+    shapes = (f"#define TENSOR_LANES {LANES}\n#define TENSOR_WORDS {WORDS}\n#define SPAN_LANES {SPAN_LANES}\n"
+              f"#define SPAN_WORDS {SPAN_WORDS}\n#define SHIFTS {_SHIFTS}\n")
+    source = (shapes + _SOURCE).encode()
     program = ctypes.c_void_p()
     _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"crc32c.cu", 0, None, None))
     try:
