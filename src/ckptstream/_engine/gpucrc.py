@@ -239,13 +239,14 @@ def _built(device: torch.device) -> _Built | None:
     try:
         major, minor = torch.cuda.get_device_capability(device)
         image = _compile(_utils._get_nvrtc_library(), f"sm_{major}{minor}")
-        builds = []
+        shapes = {"crc32c_tensors": (LANES, WORDS), "crc32c_spans": (SPAN_LANES, SPAN_WORDS)}
         with torch.cuda.device(device):
-            kernels = _utils._cuda_load_module(image, ["crc32c_tensors", "crc32c_spans"])
-            for name, lanes, words in (("crc32c_tensors", LANES, WORDS), ("crc32c_spans", SPAN_LANES, SPAN_WORDS)):
-                consts = _constants(lanes, lanes * words * 4)
-                builds.append((kernels[name],  # type: ignore[index]
-                               torch.tensor(consts, dtype=torch.int64).to(torch.int32).to(device)))  # uint32
+            # the constants first: copying them makes the device's context current in this
+            # thread (a thread of its own, see built_meanwhile), as loading the module needs
+            consts = {name: torch.tensor(_constants(lanes, lanes * words * 4), dtype=torch.int64).to(torch.int32)
+                      .to(device) for name, (lanes, words) in shapes.items()}  # the bits of uint32 values
+            kernels = _utils._cuda_load_module(image, list(shapes))
+            builds = [(kernels[name], consts[name]) for name in shapes]  # type: ignore[index]
         built = _kernels[device] = _Built(*builds)  # where crcs finds them for the self-test
         if _self_test(device):
             return built
