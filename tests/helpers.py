@@ -215,6 +215,14 @@ def header_of(path: Path | str) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(f.read(n))
 
 
+def flip_last_byte(path: Path, key: str) -> None:
+    """Corrupt one bit of the last byte of the stored tensor ``key`` of a safetensors file."""
+    raw = bytearray(path.read_bytes())
+    start, table = header_of(path)
+    raw[start + table[key]["data_offsets"][1] - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
 def direct_io_supported(directory: Path) -> bool:
     """Whether the file system under ``directory`` accepts an aligned O_DIRECT write (tmpfs does not)."""
     if not hasattr(os, "O_DIRECT"):

@@ -16,7 +16,7 @@ import torch
 import ckptstream
 from ckptstream import Settings, _checksum, _fileio
 from ckptstream._engine import Piece, ReadEngine, WriteEngine, gpucrc
-from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, header_of, packed_pieces, poisoned_like
+from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, flip_last_byte, packed_pieces, poisoned_like
 
 
 def crc(data: bytes) -> int:
@@ -171,11 +171,7 @@ def test_whole_load_checksums_small_tensors_on_the_device(tmp_path: Path, monkey
     assert sum(ranges) == len(state)
     for k, v in state.items():
         assert_bytes_equal(loaded[k], v)
-    raw = bytearray(path.read_bytes())
-    start, table = header_of(path)
-    _, end = table["w1234"]["data_offsets"]
-    raw[start + end - 1] ^= 0x01
-    path.write_bytes(bytes(raw))
+    flip_last_byte(path, "w1234")
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'w1234' fails its CRC-32C"):
         ckptstream.load(path, device="cuda", buffer_size=buffer_size)
 

@@ -19,7 +19,7 @@ from helpers import (
     WRITABLE_EDGE_CASES,
     as_bytes,
     assert_bytes_equal,
-    header_of,
+    flip_last_byte,
     is_poisoned,
     poison,
     poisoned_like,
@@ -77,11 +77,7 @@ def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path,
     for k, v in state.items():
         assert targets[k].data_ptr() == where[k], k
         assert_bytes_equal(targets[k], v)
-    raw = bytearray(path.read_bytes())
-    start, table = header_of(path)
-    _, end = table["s1234"]["data_offsets"]
-    raw[start + end - 1] ^= 0x01
-    path.write_bytes(bytes(raw))
+    flip_last_byte(path, "s1234")
     with torch.no_grad():
         for v in targets.values():
             poison(v)
