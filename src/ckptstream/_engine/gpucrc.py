@@ -219,9 +219,9 @@ def built_meanwhile(device: torch.device | None) -> Iterator[None]:
     reading the header (``usable`` waits for the build). The thread is joined when the block
     ends, so none outlives it."""
     thread = None
-    if device is not None and device.type == "cuda" and torch.version.cuda is not None:
+    if device is not None and device.type == "cuda" and torch.version.cuda is not None and torch.cuda.is_available():
         device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        if device not in _kernels:
+        if device not in _kernels and device.index < torch.cuda.device_count():  # else the load says what is wrong
             thread = threading.Thread(target=usable, args=(device,), name="ckptstream-crc-build", daemon=True)
             thread.start()
     try:
