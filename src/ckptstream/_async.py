@@ -226,7 +226,10 @@ def _at_exit() -> None:
     try:  # a Ctrl-C anywhere in here (also while a line is written) abandons what is left
         for handle in in_flight():
             say(f"waiting for the background save of {handle.path} to finish before exiting (Ctrl-C abandons it)")
-            handle._done.wait()
+            # in slices: a Ctrl-C that the kernel hands to another thread only sets a flag, which
+            # this thread sees when it returns to Python, never while it sleeps in one long wait
+            while not handle._done.wait(0.1):
+                pass
             if handle._error is None:
                 say(f"{handle.path} is saved")
     except KeyboardInterrupt:
