@@ -31,7 +31,7 @@ BLOCK = 64 << 20  # the most bytes one shared allocation spans
 HUGE = 2 << 20  # host allocations from this size are advised for huge pages
 PAGE = mmap.PAGESIZE
 _CONGRUENCE = 16  # device memory agrees with the file modulo this (the widest element)
-PACKED = {getattr(torch, "float4_e2m1fn_x2", None)} - {None}  # stored shapes count packed pairs
+_PACKED = {getattr(torch, "float4_e2m1fn_x2", None)} - {None}  # stored shapes count packed pairs
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
     out = Destinations({}, [], [], [])
     run: list[TensorInfo] = []
     for t in infos:
-        if (t.end == t.begin or t.dtype in PACKED or (data_start + t.begin) % t.dtype.itemsize
+        if (t.end == t.begin or t.dtype in _PACKED or (data_start + t.begin) % t.dtype.itemsize
                 or t.name in alone):
             _flush(out, run, data_start, device)
             run = []

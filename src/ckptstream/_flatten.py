@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._engine import streamable
+from ._engine import PLAIN_TENSORS, streamable
 from ._errors import UnsupportedTypeError
 from ._header import DTYPE_NAMES
 from ._structure import INT_BITS, MAX_DEPTH, KeyPath, key_str, view_limit
@@ -87,7 +87,6 @@ def _check_text(text: str, path: KeyPath) -> None:
                                    f"({e.reason} at {e.start}); store it as valid Unicode") from e
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _WHOLE_BYTE_DTYPES = frozenset(d for d, name in DTYPE_NAMES.items() if name != "F4")  # F4: see below
 
 
@@ -95,7 +94,7 @@ def _plainly_storable(t: torch.Tensor) -> bool:
     """The common tensor leaf, in a few attribute reads (a state may hold many thousands): a
     plain dense CPU or CUDA tensor of a whole-byte safetensors dtype, which every check of
     ``_check_leaf_tensor`` accepts."""
-    return (type(t) in _PLAIN_TENSORS and not t.is_nested and t.dtype in _WHOLE_BYTE_DTYPES
+    return (type(t) in PLAIN_TENSORS and not t.is_nested and t.dtype in _WHOLE_BYTE_DTYPES
             and t.layout is torch.strided and (t.is_cpu or t.is_cuda) and not t.is_quantized)
 
 
@@ -106,7 +105,7 @@ def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
     if t.is_nested:  # strided, or jagged (a subclass): either way, its components are what to store
         raise UnsupportedTypeError(f"{where}: a nested tensor cannot be stored; store its components "
                                    "(t.unbind()) or t.to_padded_tensor(0)")  # fmt: skip
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) not in PLAIN_TENSORS:
         if type(t).__name__ == "DTensor":
             raise UnsupportedTypeError(f"{where}: a DTensor (sharded or replicated over ranks) is saved through "
                                        "torch.distributed.checkpoint with ckptstream.dcp.StreamWriter, which keeps its "
@@ -197,7 +196,7 @@ def _node(value: Any, path: KeyPath, name: str, leaves: list[Leaf]) -> Any:
     in the same order); a tensor leaf gets an empty node and joins ``leaves``, asking for
     ``name`` (its key path joined by dots). (Written for speed: the plain tensor leaf costs a
     few attribute reads, a dict's str keys an ASCII test.)"""
-    if type(value) in _PLAIN_TENSORS and _plainly_storable(value):  # the type first: no call for other nodes
+    if type(value) in PLAIN_TENSORS and _plainly_storable(value):  # the type first: no call for other nodes
         node: dict[str, Any] = {}
         leaves.append((path, name, value, node))
         return node

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _gc
-from ._engine import check_tensor, copyable, gpucrc, streamable
+from ._engine import PLAIN_TENSORS, check_tensor, copyable, gpucrc, streamable
 from ._errors import StateMismatchError, StateMismatchWarning
 from ._flatten import walk
 from ._header import empty_tensor
@@ -35,9 +35,6 @@ from ._structure import KeyPath, View, key_str, make_view
 
 Entries = dict[KeyPath, TensorEntry]
 Span = tuple[int, int, KeyPath]  # a target's memory: addresses start..end
-# the types whose layout, strides and data_ptr() are their own memory's (a subclass may override them, or
-# wrap another tensor): only these take the short way through the checks
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _memory(t: torch.Tensor) -> tuple[object, ...]:
@@ -62,7 +59,7 @@ def _survey(targets: dict[KeyPath, torch.Tensor], entries: Entries) -> _Survey:
     """Match every target with its entry and check, for each the file has, that its bytes can
     land in it (see ``_check_target``), noting the addresses its memory spans."""
     found = _Survey()
-    missing, wrong, spans, plain = found.missing, found.wrong, found.spans, _PLAIN
+    missing, wrong, spans, plain = found.missing, found.wrong, found.spans, PLAIN_TENSORS
     # streamable() of a plain tensor goes with these (is_quantized with the dtype: qint8, ...)
     itemsizes: dict[tuple[object, ...], int] = {}  # per (device, dtype, layout): 0 where not streamable
     for p, t in targets.items():

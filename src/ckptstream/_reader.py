@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _blocks, _fileio, _gc, _header, _mapped
-from ._engine import Piece, ReadEngine, check_tensor
+from ._engine import BYTE_COPIED, PLAIN_TENSORS, Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
 from ._header import Header, empty_tensor
 from ._progress import progress_bar
@@ -393,9 +393,9 @@ def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Ten
     room: dict[int, int] = {}
     for t in infos:
         dst = dests.get(t.name)
-        if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in _PLAIN
-                or dst.dtype is not t.dtype or t.dtype in _blocks.PACKED or not dst.is_contiguous()
-                or dst.shape != t.shape):  # packed dtypes: some torch releases cannot copy them
+        if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in PLAIN_TENSORS
+                or dst.dtype is not t.dtype or t.dtype in BYTE_COPIED or not dst.is_contiguous()
+                or dst.shape != t.shape):  # BYTE_COPIED: dtypes some torch releases cannot copy
             continue
         gpu = dst.get_device()
         left = room.get(gpu, GATHER_UP_TO) - t.nbytes
@@ -403,9 +403,6 @@ def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Ten
             room[gpu] = left
             out.setdefault(gpu, []).append(t)
     return {torch.device("cuda", gpu): run for gpu, run in out.items()}
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class TensorSlice:

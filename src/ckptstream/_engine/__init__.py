@@ -4,13 +4,15 @@ move them; ``buffers``, ``streams`` and ``layout`` are what they move them with.
 
 from .buffers import release_staging, staging_bytes
 from .control import TransferCancelled, interrupts_deferred
-from .layout import check_tensor, copyable, streamable
+from .layout import BYTE_COPIED, PLAIN_TENSORS, check_tensor, copyable, streamable
 from .plan import Piece
 from .read import ReadEngine
 from .streams import Mark, check_stream, mark
 from .write import WriteEngine
 
 __all__ = [
+    "BYTE_COPIED",
+    "PLAIN_TENSORS",
     "Mark",
     "Piece",
     "ReadEngine",

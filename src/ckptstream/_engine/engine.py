@@ -229,5 +229,3 @@ class Engine:
                 yield "strided", [part]
         if run:
             yield "device", run
-
-

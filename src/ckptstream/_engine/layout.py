@@ -18,12 +18,17 @@ from .._errors import UnsupportedTypeError
 
 # torch 2.8 has no copy kernel for float4_e2m1fn_x2 (2.12 has): its tensors are copied as the
 # uint8 views of their bytes, one byte an element as well
-_BYTE_COPIED = frozenset(d for d in [getattr(torch, "float4_e2m1fn_x2", None)] if d is not None)
+BYTE_COPIED = frozenset(d for d in [getattr(torch, "float4_e2m1fn_x2", None)] if d is not None)
+
+
+# the tensor types whose layout, strides and data_ptr() are their own memory's (a subclass may
+# override them, or wrap another tensor): only these are stored, and take the short ways
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def copyable(t: torch.Tensor) -> torch.Tensor:
     """``t``, or the uint8 view of its bytes where its dtype may have no copy kernel."""
-    return t.view(torch.uint8) if t.dtype in _BYTE_COPIED else t
+    return t.view(torch.uint8) if t.dtype in BYTE_COPIED else t
 
 
 def streamable(t: torch.Tensor) -> bool:
