@@ -17,9 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dcp_helpers import (
     load_1,
-    metadata_error,
     poisoned_like,
     raises_in_dcp,
+    raises_metadata_error,
     same_bits,
     save_1,
     sharding_info,
@@ -221,16 +221,16 @@ def test_crafted_metadata_runs_no_code(tmp_path: Path) -> None:
 
     save_1({"w": torch.randn(8)}, tmp_path / "ckpt")
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
-    raises_in_dcp(metadata_error(ckptstream.CorruptCheckpointError),
-                  r"refers to posix\.system, which is not among the classes", load_1,
-                  {"w": torch.zeros(8)}, tmp_path / "ckpt")
+    raises_metadata_error(ckptstream.CorruptCheckpointError,
+                          r"refers to posix\.system, which is not among the classes", load_1,
+                          {"w": torch.zeros(8)}, tmp_path / "ckpt")
     assert not marker.exists()
 
 
 def test_checkpoint_of_torch_filesystem_writer(tmp_path: Path) -> None:
     single_process(dcp.save, {"w": torch.randn(8)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
     raises_in_dcp(ckptstream.CorruptCheckpointError, "load it with .*FileSystemReader", load_1,
-                  {"w": torch.zeros(8)}, tmp_path / "ckpt")
+                          {"w": torch.zeros(8)}, tmp_path / "ckpt")
 
 
 def test_checkpoint_files_of_torch_filesystem_writer(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Two or three Ctrl-Cs in quick succession during saves and loads (real SIGINTs, in a child
-process that keeps Python's default handler): the interrupt reaches the caller only once every
-ckptstream thread is joined, the staging pool is whole, no descriptor or temp file is left, the
-checkpoint is complete, and no freed descriptor receives a stray write."""
+process with Python's default handler while ckptstream runs): the interrupt reaches the caller
+only once every ckptstream thread is joined, the staging pool is whole, no descriptor or temp
+file is left, the checkpoint is complete, and no freed descriptor receives a stray write."""
 
 from __future__ import annotations
 

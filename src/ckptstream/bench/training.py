@@ -368,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)  # one system, JSON on stdout
     args = p.parse_args(argv)
     if args.worker:
-        # DCP says so from its writer thread at every save: one process, no process group, known
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        # DCP says so from its writer thread at every save (worded two ways): one process, no group, known
+        warnings.filterwarnings("ignore", "torch.distributed is (disabled|unavailable)", UserWarning)
         print(json.dumps(measure(args.worker, args.size_gib, device=args.device, directory=args.dir,
                                  checkpoints=args.checkpoints)))
         return 0

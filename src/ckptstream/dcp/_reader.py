@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,11 @@ from .._reader import CheckpointReader, TensorEntry
 from .._settings import INHERIT, call_settings
 from . import _metadata
 from ._metadata import StoredChunk
+
+# DCP 2.9-2.11 catches the errors of read_metadata (it then tries the rank's own metadata) and
+# raises only AssertionError("metadata is None"); 2.12 puts their messages in it. There the
+# reader's reason (no .metadata: an unfinished save; a damaged one) would be lost: it is warned.
+_DCP_DROPS_METADATA_ERRORS = "2.9" <= torch.__version__ < "2.12"
 
 
 class StreamReader(_metadata.CheckpointDirectory, StorageReader):
@@ -48,6 +54,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
         CorruptCheckpointError: a rank file fails its checksums or is not the file the
             checkpoint's metadata describes, naming the file and the tensor.
         FileNotFoundError: no ``.metadata`` (a save that did not finish), or a missing rank file.
+            From torch 2.9 DCP raises an AssertionError instead when the metadata fails, with
+            the reader's message from 2.12; on 2.9-2.11 the reader warns (RuntimeWarning) with it.
 
     Example:
         >>> dcp.load(state_dict, storage_reader=ckptstream.dcp.StreamReader("ckpt/step-100"))
@@ -63,15 +71,26 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
         self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
                            direct_io=direct_io)
         self.storage_data: dict[Any, StoredChunk] = {}
+        self._metadata_error: Exception | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self._metadata_error = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch 2.9+ asks again with rank= for a checkpoint saved without collectives
-        return _metadata.read_metadata(self.path, kwargs.get("rank"), trusted=self.trust_metadata)
+        rank = kwargs.get("rank")
+        try:
+            return _metadata.read_metadata(self.path, rank, trusted=self.trust_metadata)
+        except Exception as e:
+            if rank is None:
+                self._metadata_error = e
+            elif _DCP_DROPS_METADATA_ERRORS and self._metadata_error is not None:
+                # neither metadata loads: the global one's error is the one that explains why
+                warnings.warn(f"ckptstream.dcp: {self._metadata_error}", RuntimeWarning, stacklevel=2)
+            raise
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         data = metadata.storage_data
