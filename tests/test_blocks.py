@@ -28,7 +28,8 @@ def _mixed_state(device: torch.device | str, large: int = 2) -> dict[str, torch.
         dtype = _SAVABLE[i % len(_SAVABLE)]
         state[f"small.{i}"] = random_tensor(_SHAPES[i % len(_SHAPES)], dtype, device)
     for i in range(large):
-        state[f"large.{i}"] = random_tensor((_blocks.SMALL // 4 + 3,), torch.float32, device)
+        state[f"large.{i}"] = random_tensor((_blocks.shared_below_on(torch.device(device)) // 4 + 3,), torch.float32,
+                                            device)
     for i in range(20):
         state[f"tail.{i}"] = random_tensor((i + 1,), torch.bfloat16 if i % 2 else torch.int64, device)
     return state
@@ -51,7 +52,7 @@ def test_small_tensors_share_allocations_and_large_ones_own_theirs(device: torch
     torch.manual_seed(5)
     state = {f"s{i:03d}": random_tensor((i % 7 + 1,), torch.int64 if i % 2 else torch.float32, device)
              for i in range(300)}
-    state["large"] = random_tensor((_blocks.SMALL // 4 + 1,), torch.float32, device)
+    state["large"] = random_tensor((_blocks.shared_below_on(device) // 4 + 1,), torch.float32, device)
     path = tmp_path / "c.safetensors"
     ckptstream.save(state, path)
     start, table = header_of(path)
@@ -125,3 +126,22 @@ def test_tensors_outlive_the_reader_and_each_other(device: torch.device, tmp_pat
     assert_bytes_equal(one, keep)
     one.fill_(1)  # writable
     assert bool((one == 1).all())
+
+
+def test_host_tensors_of_a_few_mib_share_allocations(tmp_path: Path) -> None:
+    """In host memory tensors share up to BLOCK: fresh small allocations fault page by page."""
+    torch.manual_seed(11)
+    sizes = [3 << 20, 1 << 20, (5 << 20) + 12, 2 << 20]
+    state = {f"w{i}": random_tensor((n // 4,), torch.float32) for i, n in enumerate(sizes)}
+    path = tmp_path / "c.safetensors"
+    ckptstream.save(state, path)
+    start, table = header_of(path)
+    loaded = ckptstream.load(path)
+    run = sorted((table[k]["data_offsets"][0], t.data_ptr()) for k, t in loaded.items())
+    assert all(ptr - run[0][1] == offset - run[0][0] for offset, ptr in run)  # one allocation, file positions kept
+    for key, t in state.items():
+        assert_bytes_equal(loaded[key], t)
+    reader = ckptstream.open(path)
+    assert len(_blocks.arrange(reader.header.tensors, start, torch.device("cpu")).pieces) == 1
+    assert len(_blocks.arrange(reader.header.tensors, start, torch.device("meta")).pieces) == 4  # a device: alone
+    reader.close()

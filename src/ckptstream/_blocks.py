@@ -2,13 +2,15 @@
 at their file positions, and the pieces and checksum spans that fill them.
 
 A load of many small tensors pays per allocation and per copy more than per byte; so tensors
-below ``SMALL`` that lie close together in the file share one allocation (up to ``BLOCK`` bytes),
-come back as views of it, and the engine moves the whole run (padding and all) as one piece,
-while each tensor keeps a checksum span of its own. Larger tensors get an allocation each, so
-that dropping one frees its memory.
+that lie back to back in the file share one allocation (up to ``BLOCK`` bytes), come back as
+views of it, and the engine moves the whole run (padding and all) as one piece, while each
+tensor keeps a checksum span of its own. On a device, tensors below ``SMALL`` share; in host
+memory, tensors below ``BLOCK``: fresh host memory costs a page fault per page on first touch
+(more than the copy that fills it), which huge pages mostly avoid, and allocations of a few MiB
+get few of them. Larger tensors get an allocation each, so that dropping one frees its memory;
+a shared allocation is freed with the last of its tensors.
 
-Host memory is an anonymous mapping advised for huge pages (first-touch page faults on fresh
-4 KiB pages otherwise cost more than the copy that fills them), placed so that memory and file
+Host memory is an anonymous mapping advised for huge pages, placed so that memory and file
 agree modulo the page size; device memory agrees with the file modulo 16 bytes. A tensor whose
 file offset is not aligned to its element size (possible in foreign files) then cannot be a view
 at its file position: it gets an ordinary allocation of its own.
@@ -26,8 +28,8 @@ import torch
 from ._engine import Piece
 from ._header import TensorInfo, empty_tensor
 
-SMALL = 1 << 20  # tensors below share allocations
-BLOCK = 64 << 20  # the most bytes one shared allocation spans
+SMALL = 1 << 20  # device tensors below share allocations
+BLOCK = 64 << 20  # the most bytes one shared allocation spans; host tensors below share
 HUGE = 2 << 20  # host allocations from this size are advised for huge pages
 PAGE = mmap.PAGESIZE
 _CONGRUENCE = 16  # device memory agrees with the file modulo this (the widest element)
@@ -53,6 +55,7 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
     allocation of their own."""
     out = Destinations({}, [], [], [])
     run: list[TensorInfo] = []
+    shared_below = shared_below_on(device)
     for t in infos:
         if (t.end == t.begin or t.dtype in _PACKED or (data_start + t.begin) % t.dtype.itemsize
                 or t.name in alone):
@@ -60,15 +63,20 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             run = []
             out.tensors[t.name] = _alone(out, t, data_start, device)
             continue
-        if t.nbytes >= SMALL or (run and (t.begin != run[-1].end or t.end - run[0].begin > BLOCK)):
+        if t.nbytes >= shared_below or (run and (t.begin != run[-1].end or t.end - run[0].begin > BLOCK)):
             _flush(out, run, data_start, device)
             run = []
         run.append(t)
-        if t.nbytes >= SMALL:  # a run of its own: dropping it frees its memory
+        if t.nbytes >= shared_below:  # a run of its own: dropping it frees its memory
             _flush(out, run, data_start, device)
             run = []
     _flush(out, run, data_start, device)
     return out  # runs are flushed in file order: so are the spans
+
+
+def shared_below_on(device: torch.device) -> int:
+    """The size from which a tensor gets an allocation of its own on ``device``."""
+    return BLOCK if device.type == "cpu" else SMALL
 
 
 def _alone(out: Destinations, t: TensorInfo, data_start: int, device: torch.device) -> torch.Tensor:
