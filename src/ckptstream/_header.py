@@ -227,7 +227,7 @@ def decode(raw: bytes, file_size: int, path: str) -> Header:
         meta = {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
-    sizes: dict[tuple[Any, ...], tuple[torch.dtype, tuple[int, ...], int]] = {}  # files repeat a few shapes
+    sizes: _Sizes = {}  # files repeat a few shapes
     tensors = sorted((_entry(path, k, v, sizes) for k, v in table.items()), key=_BY_OFFSETS)
     pos = 0
     for t in tensors:
@@ -335,10 +335,11 @@ def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 _BY_OFFSETS = operator.itemgetter(3, 4)  # a TensorInfo's begin, end
+# (dtype name, *shape) as a file writes them -> torch dtype, torch shape and bytes
+_Sizes = dict[tuple[Any, ...], tuple[torch.dtype, tuple[int, ...], int]]
 
 
-def _entry(path: str, name: str, raw: Any, sizes: dict[tuple[Any, ...], tuple[torch.dtype, tuple[int, ...], int]]
-           ) -> TensorInfo:
+def _entry(path: str, name: str, raw: Any, sizes: _Sizes) -> TensorInfo:
     """One validated table entry; the common case costs a few checks (files hold many), and a
     dtype and shape seen before (in ``sizes``: dtype, shape and bytes as torch has them) no more."""
     try:
