@@ -54,7 +54,7 @@ class SmallModel(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.05)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.05)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -141,7 +141,7 @@ class Holds:
 @contextmanager
 def held_saves(monkeypatch: pytest.MonkeyPatch, *, released_by_wait: bool = True) -> Iterator[Holds]:
     holds = Holds()
-    write = _async.write_checkpoint
+    write = _async.write_checkpoint  # type: ignore[attr-defined]
 
     def held_write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         holds.event(path).wait()
@@ -152,7 +152,7 @@ def held_saves(monkeypatch: pytest.MonkeyPatch, *, released_by_wait: bool = True
         with holds._lock:
             holds.log.append(("published", os.path.basename(path)))
 
-    monkeypatch.setattr(_async, "write_checkpoint", held_write)
+    monkeypatch.setattr(_async, "write_checkpoint", held_write)  # the worker's call of the writer
     if released_by_wait:
         result, wait_staged = SaveHandle.result, SaveHandle.wait_staged
 

@@ -24,6 +24,7 @@ import argparse
 import collections
 import dataclasses
 import enum
+import functools
 import json
 import pathlib
 import pickle
@@ -204,7 +205,8 @@ def restore(state: Any, table: TypeTable, *, where: str, unpickle: str | None) -
         raise UnsupportedTypeError(f"{where} holds values stored with pickle at {[key_path(p) for p in pickled]}: "
                                    f"{unpickle}")
     for path, tag, payload in sorted(table, key=lambda row: -len(row[0])):
-        state = _replace(state, path, lambda v, t=tag, p=payload, at=path: _restore_one(v, t, p, at, where), where)
+        state = _replace(state, path, functools.partial(_restore_one, tag=tag, payload=payload, path=path,
+                                                        where=where), where)
     return state
 
 
@@ -217,7 +219,8 @@ def _replace(state: Any, path: KeyPath, make: Callable[[Any], Any], where: str) 
     last = path[-1]
     value = make(_child(parent, last, path, where))
     if isinstance(parent, tuple):  # tuples are immutable: rebuild the tuple in its own parent
-        rebuilt = (*parent[:last], value, *parent[last + 1:])  # type: ignore[misc]
+        i = int(last)  # an int: _child found it in the tuple
+        rebuilt = (*parent[:i], value, *parent[i + 1:])
         return _replace(state, path[:-1], lambda _: rebuilt, where)
     parent[last] = value
     return state
