@@ -230,6 +230,8 @@ def test_arguments_and_paths_it_refuses(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match=r"is a torch\.save file"):
         io.load_checkpoint(tmp_path / "torch.ckpt")
     io.remove_checkpoint(tmp_path / "missing.ckpt")  # as Lightning's: nothing to remove is no error
+    io.remove_checkpoint(f"file://{tmp_path}/sub/dir/a.ckpt")
+    assert os.listdir(tmp_path / "sub" / "dir") == []
 
 
 def test_a_damaged_type_table_is_named(tmp_path: Path) -> None:

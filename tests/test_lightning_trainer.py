@@ -19,7 +19,7 @@ from lightningutil import LIGHTNING_WARNINGS, AtBatchEnd, assert_same, bits, fil
 
 pytestmark = [*LIGHTNING_WARNINGS, pytest.mark.filterwarnings("ignore:.*The dirpath has changed.*")]
 
-MODES = [None, "device", "lazy", "host"]
+MODES = [None, "device", "lazy"]  # "host": tests/test_lightning_io.py (the same path as "device" here)
 
 
 @dataclasses.dataclass

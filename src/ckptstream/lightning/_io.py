@@ -151,7 +151,7 @@ class StreamCheckpointIO(CheckpointIO):
         being written is never removed; its save's error, if it failed, is raised)."""
         target = _local(path)
         self._wait(target)
-        given = os.path.abspath(os.fsdecode(path))
+        given = _given(path)
         if os.path.isdir(given) and not os.path.islink(given):
             shutil.rmtree(given)
         elif os.path.lexists(given):
@@ -222,6 +222,11 @@ class StreamCheckpointIO(CheckpointIO):
 
 def _local(path: str | os.PathLike[str]) -> str:
     """The absolute path the file is published at (a symbolic link's target)."""
+    return os.path.realpath(_given(path))
+
+
+def _given(path: str | os.PathLike[str]) -> str:
+    """The absolute path as given (a symbolic link itself), without a ``file://`` prefix."""
     text = os.fsdecode(path)
     if "://" in text:
         protocol = text.split("://", 1)[0]
@@ -230,7 +235,7 @@ def _local(path: str | os.PathLike[str]) -> str:
                                        "save to a local directory (ModelCheckpoint(dirpath=...)) and copy the files "
                                        "from there")
         text = text.split("://", 1)[1]
-    return os.path.realpath(os.path.abspath(text))
+    return os.path.abspath(text)
 
 
 def _checked_metadata(metadata: Any, where: str) -> dict[str, str]:

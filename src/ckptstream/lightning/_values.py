@@ -46,6 +46,7 @@ _SCALARS = (bool, int, float, str)
 _PATHS: dict[str, Callable[[str], pathlib.PurePath]] = {
     "Path": pathlib.Path, "PurePosixPath": pathlib.PurePosixPath, "PureWindowsPath": pathlib.PureWindowsPath}
 
+_AS_IS = frozenset({torch.Tensor, torch.nn.Parameter, *_SCALARS, type(None)})  # stored as they are
 TypeTable = list[tuple[KeyPath, str, Any]]  # (key path, tag, payload)
 
 
@@ -101,8 +102,9 @@ def _plain_leaf(value: Any, path: KeyPath, table: TypeTable, allow_pickle: bool)
 def _plain_dict(value: dict[Any, Any], path: KeyPath, table: TypeTable, allow_pickle: bool) -> dict[Any, Any]:
     out: dict[Any, Any] = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
     for key, item in value.items():
-        plain_key = _plain_key(key, path)
-        out[plain_key] = _plain(item, (*path, plain_key), table, allow_pickle)
+        plain_key = key if type(key) is str else _plain_key(key, path)
+        # the common leaves without a call: a state_dict holds many thousands of tensors
+        out[plain_key] = item if type(item) in _AS_IS else _plain(item, (*path, plain_key), table, allow_pickle)
     if len(out) != len(value):  # two keys of different subclasses with one value
         raise UnsupportedTypeError(f"{key_path(path)}: two keys of this dict are equal as their base types "
                                    f"({sorted(map(repr, value))[:6]}); store it with distinct str or int keys")
