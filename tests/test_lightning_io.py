@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -152,7 +153,8 @@ def test_values_come_back_as_lightning_needs(tmp_path: Path, mode: str | None) -
     (b"raw", "torch.frombuffer"),
     (np.arange(3), "torch.from_numpy"),
     (Opaque(), "convert it to dicts"),
-], ids=["dataclass", "enum", "set", "bytes", "numpy", "object"])
+    (Config, "the class's name"),
+], ids=["dataclass", "enum", "set", "bytes", "numpy", "object", "class"])
 def test_an_object_is_refused_by_its_key_path(tmp_path: Path, value: Any, hint: str) -> None:
     ckpt = {"state_dict": {"w": torch.randn(3)}, "callbacks": {"My.Callback{'k': 1}": {"things": [0, {"it": value}]}}}
     for mode in [None, "device"]:
@@ -160,7 +162,7 @@ def test_an_object_is_refused_by_its_key_path(tmp_path: Path, value: Any, hint: 
             StreamCheckpointIO(mode).save_checkpoint(ckpt, tmp_path / "a.ckpt")
         message = str(raised.value)
         assert "checkpoint['callbacks'][\"My.Callback{'k': 1}\"]['things'][1]['it']" in message
-        assert type(value).__qualname__ in message
+        assert (value if isinstance(value, type) else type(value)).__qualname__ in message
         assert hint in message
         assert "allow_pickle=True" in message
     assert os.listdir(tmp_path) == []  # refused before any file
@@ -232,6 +234,18 @@ def test_arguments_and_paths_it_refuses(tmp_path: Path) -> None:
     io.remove_checkpoint(tmp_path / "missing.ckpt")  # as Lightning's: nothing to remove is no error
     io.remove_checkpoint(f"file://{tmp_path}/sub/dir/a.ckpt")
     assert os.listdir(tmp_path / "sub" / "dir") == []
+
+
+def test_the_plug_in_pickles_its_options_only(tmp_path: Path) -> None:
+    # Lightning pickles its strategy, the plug-in with it, for processes it spawns
+    io = StreamCheckpointIO("device", metadata={"run": "a"}, max_in_flight=2)
+    io.save_checkpoint({"w": torch.randn(3)}, tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(io))
+    io.teardown()
+    assert (copy.mode, copy.metadata, copy.max_in_flight) == ("device", {"run": "a"}, 2)
+    copy.save_checkpoint({"w": torch.randn(3)}, tmp_path / "b.ckpt")
+    copy.teardown()
+    assert ckptstream.read_metadata(tmp_path / "b.ckpt") == {"run": "a"}
 
 
 def test_a_damaged_type_table_is_named(tmp_path: Path) -> None:

@@ -79,6 +79,15 @@ class StreamCheckpointIO(CheckpointIO):
         self._saves: dict[str, SaveHandle] = {}  # background saves by the absolute path they publish
         self._guard = StagingGuard()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The options only (Lightning pickles its strategy for spawned processes): a copy owns
+        none of this plug-in's saves, which this one still waits for."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_saves", "_guard")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._saves, self._guard = threading.Lock(), {}, StagingGuard()
+
     # --- CheckpointIO -----------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],

@@ -137,7 +137,15 @@ def _type_name(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
+def _what(value: Any) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    return f"a {_type_name(value)}"
+
+
 def _how_to_make_plain(value: Any) -> str:
+    if isinstance(value, type):  # Lightning stores type(hparams) beside OmegaConf hyper-parameters
+        return "store the class's name, not the class (a class is code)"
     if dataclasses.is_dataclass(value):
         return "store dataclasses.asdict(value) and rebuild the dataclass where it is read"
     if isinstance(value, enum.Enum):
@@ -146,8 +154,11 @@ def _how_to_make_plain(value: Any) -> str:
         return "store sorted(value) as a list"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "store torch.frombuffer(bytearray(value), dtype=torch.uint8)"
-    if type(value).__module__.split(".")[0] == "numpy":
+    package = type(value).__module__.split(".")[0]
+    if package == "numpy":
         return "store torch.from_numpy(value) for an array, value.item() for a scalar"
+    if package == "omegaconf":
+        return "store OmegaConf.to_container(value, resolve=True)"
     return "convert it to dicts, lists, str, numbers and tensors"
 
 
@@ -160,7 +171,7 @@ def _refuse_or_pickle(value: Any, path: KeyPath, table: TypeTable, allow_pickle:
         table.append((path, "pickle", None))
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     raise UnsupportedTypeError(
-        f"{key_path(path)}: StreamCheckpointIO does not store a {_type_name(value)}: {_how_to_make_plain(value)} "
+        f"{key_path(path)}: StreamCheckpointIO does not store {_what(value)}: {_how_to_make_plain(value)} "
         "(in the on_save_checkpoint hook of the LightningModule or callback that adds it, and back in "
         "on_load_checkpoint), or pass StreamCheckpointIO(allow_pickle=True) to store such values with pickle "
         "(loading them runs code: only for checkpoints you trust)")
