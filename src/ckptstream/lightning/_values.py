@@ -27,7 +27,6 @@ import enum
 import functools
 import json
 import pathlib
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 
 from .._errors import CorruptCheckpointError, UnsupportedTypeError
 from .._structure import MAX_DEPTH, KeyPath
+from . import _pickled
 
 __all__ = ["TYPES_KEY", "TypeTable", "key_path", "restore", "to_plain"]
 
@@ -165,11 +165,11 @@ def _how_to_make_plain(value: Any) -> str:
 def _refuse_or_pickle(value: Any, path: KeyPath, table: TypeTable, allow_pickle: bool) -> Any:
     if allow_pickle:
         try:
-            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            stored = _pickled.dumps(value)
         except Exception as e:  # any error of the object's own __reduce__
-            raise UnsupportedTypeError(f"{key_path(path)}: a {_type_name(value)} cannot be pickled ({e})") from e
+            raise UnsupportedTypeError(f"{key_path(path)}: {_what(value)} cannot be pickled ({e})") from e
         table.append((path, "pickle", None))
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return stored
     raise UnsupportedTypeError(
         f"{key_path(path)}: StreamCheckpointIO does not store {_what(value)}: {_how_to_make_plain(value)} "
         "(in the on_save_checkpoint hook of the LightningModule or callback that adds it, and back in "
@@ -281,7 +281,7 @@ def _size(value: Any, payload: Any) -> Any:
 def _unpickle(value: Any, payload: Any) -> Any:
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
         return None
-    return pickle.loads(bytes(value.cpu().tolist()))  # allow_pickle: the user's choice
+    return _pickled.loads(value)  # restore() refuses it without allow_pickle
 
 
 def _path(value: Any, payload: Any) -> Any:
