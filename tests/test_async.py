@@ -307,7 +307,7 @@ class HeldSave:
 @pytest.fixture
 def first_save_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldSave]:
     held, calls = HeldSave(), [0]
-    real_write, real_wait = _async.write_checkpoint, _async._publish_after_earlier
+    real_write, real_wait = _save.write_checkpoint, _async._publish_after_earlier
 
     def write(*args: Any, **kwargs: Any) -> None:
         calls[0] += 1

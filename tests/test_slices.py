@@ -103,7 +103,8 @@ def test_get_slice_gives_what_torch_indexing_gives(stored: Any, case: tuple[str,
 @pytest.mark.parametrize("index", [
     (slice(-5, None),), (slice(2, -3),), (slice(-3, -1), slice(-30, None)), (slice(30, 5),), (-1, slice(-4, -2)),
     (slice(-100, 100), -33), (slice(None, -38),),
-], ids=["last_five", "two_to_minus_three", "negative_both", "empty", "negative_int", "clipped", "first_two"])  # fmt: skip
+], ids=["last_five", "two_to_minus_three", "negative_both", "empty", "negative_int", "clipped",
+        "first_two"])  # fmt: skip
 def test_negative_bounds(stored: Any, index: tuple[Any, ...]) -> None:
     path, tensors = stored
     with ckptstream.open(path) as reader:
@@ -113,7 +114,8 @@ def test_negative_bounds(stored: Any, index: tuple[Any, ...]) -> None:
 
 
 @pytest.mark.parametrize(("index", "error", "message"), [
-    (slice(None, None, -1), IndexError, r"t0: only slices of step 1 can be read, got slice\(None, None, -1\) \(step -1\)"),
+    (slice(None, None, -1), IndexError,
+     r"t0: only slices of step 1 can be read, got slice\(None, None, -1\) \(step -1\)"),
     ((slice(5, 1, -2),), IndexError, r"t0: only slices of step 1 .*step -2.*flip\(\)"),
     ((slice(None), slice(None, None, 2)), IndexError, r"t0: only slices of step 1 .*step 2"),
     (-41, IndexError, r"t0: index -41 is out of range for dimension 0 of size 40"),
