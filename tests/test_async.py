@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gc
+import json
 import os
 import signal
 import sys
@@ -415,26 +416,54 @@ def test_exit_says_loudly_that_a_failed_save_was_not_published(case: str, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_at_exit_abandons_the_save_and_says_so(tmp_path: Path) -> None:
+def test_ctrl_c_at_exit_abandons_the_save_says_so_and_exits_as_interrupted(tmp_path: Path) -> None:
+    """The exit waits for a save that cannot end by itself; a real Ctrl-C, sent once the child
+    says it waits, abandons it and ends the process as an interrupted Python ends (killed by
+    SIGINT: status 130 in a shell), after the program's own atexit hooks, never with status 0."""
     path = tmp_path / "ckpt.safetensors"
-    child = start_child("child_exit.py", "in-flight-slow", str(path))
+    child = start_child("child_async_signals.py", "exit-wait", str(path))
     assert child.stderr is not None
     line = child.stderr.readline()
+    said = f"--- stderr\n{line}"
+    assert "waiting for the background save of" in line, said
     child.send_signal(signal.SIGINT)
     out, rest = child.communicate(timeout=60)
     said = f"--- stdout\n{out}\n--- stderr\n{line}{rest}"
-    assert "waiting for the background save of" in line, said
     assert f"abandoned the background save of {path}: it was NOT published" in rest, said
+    assert child.returncode == -signal.SIGINT, said
+    assert "the program's own atexit hook ran" in out, said
+    assert "Traceback" not in rest, said
     assert not path.exists(), said
 
 
+def test_ctrl_c_in_result_leaves_the_save_running(tmp_path: Path) -> None:
+    """result() interrupted by a real Ctrl-C raises KeyboardInterrupt; the save goes on, and a
+    later result() returns its path once it is durable."""
+    path = tmp_path / "ckpt.safetensors"
+    child = start_child("child_async_signals.py", "result", str(path))
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.strip() == "waiting in result()", line
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    said = f"--- stdout\n{line}{out}\n--- stderr\n{err}"
+    assert child.returncode == 0, said
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report == {"interrupted": True, "at_interrupt": {"done": False, "published": False}, "then": str(path)}, said
+    assert ckptstream.load(path)["step"] == 5
+    assert "waiting for the background save" not in err  # it had ended before the exit
+
+
 def test_a_forked_child_does_not_wait_for_its_parents_saves(tmp_path: Path) -> None:
-    """A DataLoader worker forked while a save is in flight exits at once, without a word."""
-    proc = run_child("child_exit.py", "fork", str(tmp_path / "ckpt.safetensors"))
-    assert "forked child exited after" in proc.stdout
-    assert "with status 0" in proc.stdout
+    """A DataLoader worker forked while a save is in flight (held back until the worker has
+    exited) ends at once, with its own save done and without a word about its parent's."""
+    path = tmp_path / "ckpt.safetensors"
+    proc = run_child("child_async_signals.py", "fork", str(path))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"status": 0, "parent_save_done_when_child_exited": False}, proc.stdout + proc.stderr
     assert torch.equal(ckptstream.load(tmp_path / "ckpt.safetensors.child")["x"], torch.ones(3))
-    assert proc.stderr.count("waiting for the background save") == 1  # the parent's, not the child's
+    assert (tmp_path / "ckpt.safetensors.child-stderr").read_text() == ""
+    assert ckptstream.load(path)["step"] == 5
 
 
 # --- on the GPU ----------------------------------------------------------------------------------

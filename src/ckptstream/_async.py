@@ -23,8 +23,10 @@ exits with saves in flight waits for them at shutdown and says so on stderr.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
@@ -252,6 +254,7 @@ def _at_exit() -> None:
         for left in in_flight():
             say(f"abandoned the background save of {left.path}: it was NOT published "
                  "(its temp file is removed by a later save of that path)")
+        _end_interrupted()
         return
     with _cond:
         failed = list(_uncollected)
@@ -261,15 +264,36 @@ def _at_exit() -> None:
              f"{type(handle._error).__name__}: {handle._error}")
 
 
+def _end_interrupted() -> None:
+    """End the process as Python ends one that a Ctrl-C interrupted: the atexit hooks run, then
+    the process kills itself with SIGINT (exit status 130 in a shell, which then stops a script
+    that ran it), never with status 0 as if all had gone well."""
+    if _exit_hook_of_threading:  # the atexit hooks have not run yet (inside them, they are running)
+        run_hooks = getattr(atexit, "_run_exitfuncs", None)
+        if run_hooks is not None:
+            run_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
+
+
+_exit_hook_of_threading = False
+
+
 def _register_exit_hook() -> None:
     # CPython joins non-daemon threads, then runs atexit hooks: threading's own hook runs before
     # that join, where waiting can still be announced. The workers are daemon threads, so an
     # abandoned save (a second Ctrl-C) does not keep the process alive.
+    global _exit_hook_of_threading
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
             raise RuntimeError
         register(_at_exit)
+        _exit_hook_of_threading = True
     except RuntimeError:
         atexit.register(_at_exit)
 
