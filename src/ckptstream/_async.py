@@ -415,7 +415,7 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device"
 
     Example:
         >>> handle = ckptstream.save_async(state, "ckpt.safetensors")   # mode="device"
-        >>> loss = model(batch).backward()                              # training goes on
+        >>> loss_fn(model(inputs), targets).backward()                 # training goes on
         >>> handle.result()                                             # durable now
     """
     cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
