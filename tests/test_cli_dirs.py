@@ -89,6 +89,9 @@ def test_step_and_folder_arguments(manager_dir: Path, capsys: pytest.CaptureFixt
     status, _, err = run_cli(capsys, "verify", str(manager_dir), "--step", "9")
     assert status == 2
     assert f"{manager_dir}: no step 9 (its step folders: 1, 2, 3, 4)" in err
+    status, _, err = run_cli(capsys, "inspect", str(manager_dir), "--step", "9")
+    assert status == 2
+    assert f"ckptstream inspect: {manager_dir}: no step 9" in err
     status, _, err = run_cli(capsys, "verify", folder3, "--step", "3")
     assert status == 2
     assert "--step picks a step of a CheckpointManager directory; this is a CheckpointManager step folder" in err

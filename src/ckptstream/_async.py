@@ -410,8 +410,9 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device"
             ``result()``: its error, instead of starting this save.
 
     A process that exits with saves in flight waits for them, saying so on stderr (a Ctrl-C
-    there abandons them, which is also said); the error of a failed save nobody collected is
-    printed at exit.
+    there abandons them, which is also said, and ends the process as an interrupted Python
+    ends: exit status 130 in a shell); the error of a failed save nobody collected is printed
+    at exit.
 
     Example:
         >>> handle = ckptstream.save_async(state, "ckpt.safetensors")   # mode="device"

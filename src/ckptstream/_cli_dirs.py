@@ -150,14 +150,21 @@ def check_step(folder: str, *, leftover_ok: bool = False) -> Verdict:
     return Verdict(f"{folder}: OK (step {done['step']}: {files} file{'s' * (files != 1)}, {tensors} tensors, {how})", 0)
 
 
+def step_folder(directory: str, step: int) -> str | Verdict:
+    """The folder of ``step`` in a manager directory, or the verdict that it has none."""
+    folders = _layout.step_dirs(directory)
+    if step not in folders:
+        listed = ", ".join(map(str, sorted(folders)[-10:]))
+        return Verdict(f"{directory}: no step {step} (its step folders: {listed})", 2)
+    return folders[step]
+
+
 def check_manager(directory: str, step: int | None = None) -> list[Verdict]:
     """Every step folder of a manager directory (or only ``step``)."""
-    folders = _layout.step_dirs(directory)
     if step is not None:
-        if step not in folders:
-            listed = ", ".join(map(str, sorted(folders)[-10:]))
-            return [Verdict(f"{directory}: no step {step} (its step folders: {listed})", 2)]
-        return [check_step(folders[step])]
+        folder = step_folder(directory, step)
+        return [folder if isinstance(folder, Verdict) else check_step(folder)]
+    folders = _layout.step_dirs(directory)
     verdicts = [check_step(folders[s], leftover_ok=True) for s in sorted(folders)]
     if not any(step_done(folder)[0] is not None for folder in folders.values()):
         verdicts.append(Verdict(f"{directory}: INCOMPLETE: no complete step among its {len(folders)} step folders", 1))
