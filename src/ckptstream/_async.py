@@ -156,6 +156,7 @@ _in_flight: list[SaveHandle] = []
 _uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
 _owner = os.getpid()
 _hooked = False
+_exit_hook_of_threading = False  # the exit hook runs before the atexit hooks (not among them)
 _names = itertools.count()
 
 
@@ -278,9 +279,6 @@ def _end_interrupted() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
     os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
-
-
-_exit_hook_of_threading = False
 
 
 def _register_exit_hook() -> None:
