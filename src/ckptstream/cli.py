@@ -126,13 +126,14 @@ def verify(path: str, step: int | None = None) -> list[Verdict]:
     kind, refused = _what_is(path, step)
     if refused is not None:
         return [refused]
-    if kind == MANAGER:
-        return _cli_dirs.check_manager(path, step)
-    if kind == STEP:
-        return [_cli_dirs.check_step(path)]
-    if kind == DCP:
-        return [_cli_dirs.check_dcp(path)]
-    return [_verify_file(path)]
+    if kind == "file":
+        return [_verify_file(path)]
+    try:
+        if kind == MANAGER:
+            return _cli_dirs.check_manager(path, step)
+        return [_cli_dirs.check_step(path) if kind == STEP else _cli_dirs.check_dcp(path)]
+    except OSError as e:  # a folder that cannot be listed or read
+        return [Verdict(f"{path}: {e}", 2)]
 
 
 # --- inspect --------------------------------------------------------------------------------
