@@ -279,9 +279,10 @@ def test_a_verify_cost_within_the_runs_noise_is_said_to_be_so() -> None:
     assert noise is not None
     assert cost == pytest.approx(1 - 0.40 / 0.44)
     assert noise == pytest.approx((0.47 - 0.36) / 0.44)  # the larger spread: checksum=False's
-    within = "verifying checksums cost nothing measurable: within noise"
-    assert text._verify_line(cost, noise).startswith(f"{within} (+9.1%")
-    assert text._verify_line(-0.14, noise).startswith(f"{within} (-14.0%")
+    within = "verifying checksums cost within noise:"
+    assert text._verify_line(cost, noise) == (f"{within} +9.1% of ckptstream's hot load speed, while the hot loads' "
+                                              "runs spread 25.0% (ckptstream against ckptstream checksum=False)")
+    assert text._verify_line(-0.14, noise).startswith(f"{within} -14.0%")
     steady = rows([9.4, 9.41, 9.39, 9.4], [10.0, 10.02, 9.99, 10.0])
     cost, noise = report.verify_cost(steady), report.verify_noise(steady)
     assert cost is not None

@@ -107,8 +107,8 @@ def _verify_line(cost: float, noise: float | None) -> str:
     if noise is None:
         return f"verifying checksums cost {cost:.1%} of ckptstream's hot load speed ({compared}; one run each)"
     if abs(cost) <= noise:
-        return (f"verifying checksums cost nothing measurable: within noise ({cost:+.1%} of ckptstream's hot load "
-                f"speed, while the hot loads' runs spread {noise:.1%}; {compared})")
+        return (f"verifying checksums cost within noise: {cost:+.1%} of ckptstream's hot load speed, while the hot "
+                f"loads' runs spread {noise:.1%} ({compared})")
     return (f"verifying checksums cost {cost:.1%} of ckptstream's hot load speed (the runs spread {noise:.1%}; "
             f"{compared})")
 
