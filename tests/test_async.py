@@ -3,8 +3,10 @@ backpressure, exit with a save in flight, and (marked ``gpu``) the order of CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
+import json
 import os
 import signal
 import sys
@@ -139,6 +141,33 @@ def test_changes_after_the_call_are_not_in_the_file(mode: str, tmp_path: Path, s
     assert differences(ckptstream.load(handle.path), expected) == []
 
 
+def test_lazy_mode_captures_cpu_tensors_of_up_to_1_mib_at_the_call(tmp_path: Path, gate: threading.Event) -> None:
+    """"lazy": a 512 KiB CPU tensor, an RNG state and a tensor of exactly 1 MiB changed right
+    after the call, before wait_staged() (the save is held back from writing meanwhile), are saved
+    with their values at the call; a CPU tensor one element over 1 MiB streams from the live
+    tensor, as documented (changed before wait_staged(), its new values are saved)."""
+    over = _capture.BY_VALUE_BYTES // 4 + 1
+    state = {"half_mib": random_tensor(128 << 10), "rng": torch.get_rng_state(),
+             "one_mib": random_tensor(_capture.BY_VALUE_BYTES // 4), "over": random_tensor(over)}
+    expected = detached(state)
+    handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="lazy")
+    assert handle.mode == "lazy"
+    assert not handle.staged()
+    state["half_mib"].mul_(-1)
+    torch.rand(100)  # the generator moves on, and its state is read back into the same tensor
+    state["rng"].copy_(torch.get_rng_state())
+    state["one_mib"].add_(1)
+    state["over"].add_(1)
+    assert not torch.equal(state["rng"], expected["rng"])
+    gate.set()
+    handle.wait_staged()
+    handle.result()
+    loaded = ckptstream.load(handle.path)
+    assert differences({k: loaded[k] for k in ("half_mib", "rng", "one_mib")},
+                       {k: expected[k] for k in ("half_mib", "rng", "one_mib")}) == []
+    assert torch.equal(loaded["over"], state["over"])  # streamed live
+
+
 def test_a_failed_save_raises_at_result_and_leaves_the_old_file(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt.safetensors"
@@ -262,6 +291,112 @@ def test_device_mode_short_of_memory_streams_the_live_state_before_returning(
     assert not (tmp_path / "refused.safetensors").exists()
 
 
+# --- saves of one path ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HeldSave:
+    """The first background save of a test, held back: it starts writing only once ``release``
+    is set, then fails with ``error`` if one is given. ``waiting`` is set when a later save of
+    the same path has written its file and waits for the earlier one to end."""
+
+    release: threading.Event = dataclasses.field(default_factory=threading.Event)
+    waiting: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@pytest.fixture
+def first_save_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldSave]:
+    held, calls = HeldSave(), [0]
+    real_write, real_wait = _save.write_checkpoint, _async._publish_after_earlier
+
+    def write(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            assert held.release.wait(30), "the test never released the first save"
+            if held.error is not None:
+                raise held.error
+        real_write(*args, **kwargs)
+
+    def publish_after_earlier(handle: _async.SaveHandle) -> None:
+        if handle._earlier is not None:
+            held.waiting.set()
+        real_wait(handle)
+
+    monkeypatch.setattr(_async, "write_checkpoint", write)
+    monkeypatch.setattr(_async, "_publish_after_earlier", publish_after_earlier)
+    yield held
+    held.release.set()
+
+
+def wait_until(condition: Callable[[], bool], event: threading.Event) -> None:
+    """Wait until ``condition()`` holds, waking when ``event`` is set (or to look again)."""
+    while not condition():
+        event.wait(0.01)
+
+
+def test_saves_of_one_path_publish_in_call_order(tmp_path: Path, first_save_held: HeldSave) -> None:
+    """The oldest of three saves of one path is held back while the newer two are written: they
+    wait for it, and the path ends with the newest state (the third save names the file through
+    a symbolic link: the same file)."""
+    release, waiting = first_save_held.release, first_save_held.waiting
+    path = tmp_path / "ckpt.safetensors"
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to(path.name)
+    states = [{"w": random_tensor(1000 * (3 - i)), "version": i} for i in range(3)]
+    handles = [ckptstream.save_async(states[0], path, max_in_flight=3),
+               ckptstream.save_async(states[1], path, max_in_flight=3),
+               ckptstream.save_async(states[2], link, max_in_flight=3)]
+    # the second save is written and waits for the first (without ordering it would publish now)
+    wait_until(lambda: waiting.is_set() or handles[1].done(), waiting)
+    wait_until(lambda: handles[2].staged(), waiting)
+    assert not path.exists()
+    assert not any(h.done() for h in handles)
+    release.set()
+    assert [h.result() for h in handles] == [str(path)] * 3
+    assert differences(ckptstream.load(path), states[2]) == []
+    assert all(h._earlier is None for h in handles)
+    assert [p.name for p in tmp_path.iterdir() if ".ckptstream-tmp-" in p.name] == []
+
+
+def test_a_newer_save_publishes_after_an_older_one_fails(tmp_path: Path, first_save_held: HeldSave) -> None:
+    release, waiting = first_save_held.release, first_save_held.waiting
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"old": torch.arange(3)}, path)
+    first_save_held.error = OSError(errno.EIO, "Input/output error (injected)")
+    older = ckptstream.save_async({"w": random_tensor(5000)}, path, max_in_flight=2)
+    newer_state = {"w": random_tensor(700), "version": 2}
+    newer = ckptstream.save_async(newer_state, path, max_in_flight=2)
+    wait_until(lambda: waiting.is_set() or newer.done(), waiting)
+    assert not newer.done()
+    release.set()
+    assert newer.result() == str(path)
+    with pytest.raises(OSError, match="injected"):
+        older.result()
+    assert differences(ckptstream.load(path), newer_state) == []
+
+
+def test_a_big_save_then_a_small_one_leave_the_small_state(tmp_path: Path) -> None:
+    """Two saves in flight to one path, the older the larger (it finishes writing last): the
+    newer state is the one left."""
+    path = tmp_path / "ckpt.safetensors"
+    big, small = {"w": random_tensor(1 << 21), "version": 1}, {"w": random_tensor(16), "version": 2}
+    first = ckptstream.save_async(big, path, max_in_flight=2, **SLOW)
+    second = ckptstream.save_async(small, path, max_in_flight=2, **SLOW)
+    assert first.result() == second.result() == str(path)
+    assert differences(ckptstream.load(path), small) == []
+
+
+def test_saves_of_other_paths_do_not_wait_for_each_other(tmp_path: Path, first_save_held: HeldSave) -> None:
+    release = first_save_held.release
+    held = ckptstream.save_async({"w": random_tensor(100)}, tmp_path / "a.safetensors", max_in_flight=2)
+    other = ckptstream.save_async({"w": random_tensor(100)}, tmp_path / "b.safetensors", max_in_flight=2)
+    assert other.result() == str(tmp_path / "b.safetensors")  # while the first is still held
+    assert not held.done()
+    release.set()
+    held.result()
+
+
 # --- the end of the process ------------------------------------------------------------------
 
 
@@ -281,26 +416,54 @@ def test_exit_says_loudly_that_a_failed_save_was_not_published(case: str, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_at_exit_abandons_the_save_and_says_so(tmp_path: Path) -> None:
+def test_ctrl_c_at_exit_abandons_the_save_says_so_and_exits_as_interrupted(tmp_path: Path) -> None:
+    """The exit waits for a save that cannot end by itself; a real Ctrl-C, sent once the child
+    says it waits, abandons it and ends the process as an interrupted Python ends (killed by
+    SIGINT: status 130 in a shell), after the program's own atexit hooks, never with status 0."""
     path = tmp_path / "ckpt.safetensors"
-    child = start_child("child_exit.py", "in-flight-slow", str(path))
+    child = start_child("child_async_signals.py", "exit-wait", str(path))
     assert child.stderr is not None
     line = child.stderr.readline()
+    said = f"--- stderr\n{line}"
+    assert "waiting for the background save of" in line, said
     child.send_signal(signal.SIGINT)
     out, rest = child.communicate(timeout=60)
     said = f"--- stdout\n{out}\n--- stderr\n{line}{rest}"
-    assert "waiting for the background save of" in line, said
     assert f"abandoned the background save of {path}: it was NOT published" in rest, said
+    assert child.returncode == -signal.SIGINT, said
+    assert "the program's own atexit hook ran" in out, said
+    assert "Traceback" not in rest, said
     assert not path.exists(), said
 
 
+def test_ctrl_c_in_result_leaves_the_save_running(tmp_path: Path) -> None:
+    """result() interrupted by a real Ctrl-C raises KeyboardInterrupt; the save goes on, and a
+    later result() returns its path once it is durable."""
+    path = tmp_path / "ckpt.safetensors"
+    child = start_child("child_async_signals.py", "result", str(path))
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.strip() == "waiting in result()", line
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    said = f"--- stdout\n{line}{out}\n--- stderr\n{err}"
+    assert child.returncode == 0, said
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report == {"interrupted": True, "at_interrupt": {"done": False, "published": False}, "then": str(path)}, said
+    assert ckptstream.load(path)["step"] == 5
+    assert "waiting for the background save" not in err  # it had ended before the exit
+
+
 def test_a_forked_child_does_not_wait_for_its_parents_saves(tmp_path: Path) -> None:
-    """A DataLoader worker forked while a save is in flight exits at once, without a word."""
-    proc = run_child("child_exit.py", "fork", str(tmp_path / "ckpt.safetensors"))
-    assert "forked child exited after" in proc.stdout
-    assert "with status 0" in proc.stdout
+    """A DataLoader worker forked while a save is in flight (held back until the worker has
+    exited) ends at once, with its own save done and without a word about its parent's."""
+    path = tmp_path / "ckpt.safetensors"
+    proc = run_child("child_async_signals.py", "fork", str(path))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"status": 0, "parent_save_done_when_child_exited": False}, proc.stdout + proc.stderr
     assert torch.equal(ckptstream.load(tmp_path / "ckpt.safetensors.child")["x"], torch.ones(3))
-    assert proc.stderr.count("waiting for the background save") == 1  # the parent's, not the child's
+    assert (tmp_path / "ckpt.safetensors.child-stderr").read_text() == ""
+    assert ckptstream.load(path)["step"] == 5
 
 
 # --- on the GPU ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -97,10 +98,12 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
 def test_quick_run_prints_table_progress_and_plot(quick: tuple[Path, subprocess.CompletedProcess[str], Any]) -> None:
     tmp, proc, _ = quick
     header = next(line for line in proc.stdout.splitlines() if line.startswith("system"))
-    for column in ("save GB/s", "/write", "load GB/s", "/read", "hot load GB/s", "peak RSS save"):
+    for column in ("save GB/s", "save/ceiling", "load GB/s", "load/ceiling", "hot load GB/s", "hot load/ceiling",
+                   "save RSS growth", "load RSS growth", "staging allocated"):
         assert column in header
     assert "ckptstream speedup" in proc.stdout
     assert "verifying checksums cost" in proc.stdout
+    assert "the runs spread" in proc.stdout or "within noise" in proc.stdout  # nine hot loads each
     assert "targets (" not in proc.stdout
     assert "MISSED" not in proc.stdout
     assert "[1/5] raw disk and copy ceilings" in proc.stderr
@@ -262,6 +265,36 @@ def test_verify_cost_compares_the_hot_loads_with_and_without_checksums() -> None
     assert report.verify_cost([dict(rows[0], hot=None), rows[2]]) is None
 
 
+def test_a_verify_cost_within_the_runs_noise_is_said_to_be_so() -> None:
+    """The cost of verifying is a difference of two medians: where the hot loads' own runs spread
+    more than it (interquartile range over the median), it is reported as within noise."""
+    def rows(on: list[float], off: list[float]) -> list[dict[str, Any]]:
+        return [{"label": "ckptstream", "hot": {"gbps": statistics.median(on), "gbps_runs": on}},
+                {"label": "ckptstream checksum=False", "hot": {"gbps": statistics.median(off), "gbps_runs": off}}]
+
+    noisy = rows([0.35, 0.33, 0.41, 0.36, 0.43, 0.41, 0.43, 0.40, 0.36], [0.47, 0.35, 0.37, 0.44, 0.44, 0.27, 0.51,
+                                                                           0.49, 0.36])  # a CPU machine's --quick
+    cost, noise = report.verify_cost(noisy), report.verify_noise(noisy)
+    assert cost is not None
+    assert noise is not None
+    assert cost == pytest.approx(1 - 0.40 / 0.44)
+    assert noise == pytest.approx((0.47 - 0.36) / 0.44)  # the larger spread: checksum=False's
+    within = "verifying checksums cost within noise:"
+    assert text._verify_line(cost, noise) == (f"{within} +9.1% of ckptstream's hot load speed, while the hot loads' "
+                                              "runs spread 25.0% (ckptstream against ckptstream checksum=False)")
+    assert text._verify_line(-0.14, noise).startswith(f"{within} -14.0%")
+    steady = rows([9.4, 9.41, 9.39, 9.4], [10.0, 10.02, 9.99, 10.0])
+    cost, noise = report.verify_cost(steady), report.verify_noise(steady)
+    assert cost is not None
+    assert noise is not None
+    assert noise < 0.01
+    assert text._verify_line(cost, noise) == ("verifying checksums cost 6.0% of ckptstream's hot load speed (the runs "
+                                              f"spread {noise:.1%}; ckptstream against ckptstream checksum=False)")
+    single = rows([9.4], [10.0])
+    assert report.verify_noise(single) is None
+    assert text._verify_line(0.06, None).endswith("(ckptstream against ckptstream checksum=False; one run each)")
+
+
 def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(path: str, like: Any, device: str, world: int) -> Any:
@@ -303,7 +336,8 @@ def test_many_small_tensors_run_every_peer_with_staging_options(tmp_path: Path) 
     assert "load" in speedup_header
     assert "hot load" in speedup_header
     assert "save s" in proc.stdout
-    assert "ckptstream settings: 2 x 4.0 MiB staging, 2 I/O threads" in proc.stdout
+    assert ("ckptstream settings: staging of up to 2 x 4.0 MiB (a transfer allocates the buffers its chunks need), "
+            "2 I/O threads") in proc.stdout
     assert_workspace_gone(tmp_path)
 
 

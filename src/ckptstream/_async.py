@@ -13,16 +13,20 @@ through the write engine and publishes the file exactly as ``save`` does.
     "host"    every tensor is copied into (pinned) host memory, device tensors on the current
               stream; staged at once.
 
-A process holds at most ``max_in_flight`` saves (the next call waits: backpressure). A worker's
-error is raised by ``result()``; one nobody collected is raised at the next call, and a process
-that exits with saves in flight waits for them at shutdown and says so on stderr.
+A process holds at most ``max_in_flight`` saves (the next call waits: backpressure). Saves of
+one file publish in call order: a save whose file is ready before that of an earlier save of the
+same path waits for it to end, so the path ends with the newest call's state. A worker's error
+is raised by ``result()``; one nobody collected is raised at the next call, and a process that
+exits with saves in flight waits for them at shutdown and says so on stderr.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,7 +56,7 @@ class SaveHandle:
     """A save running in the background; see ``ckptstream.save_async``.
 
     Attributes:
-        path: the absolute path the checkpoint is published at.
+        path: the absolute path the checkpoint is published at (symbolic links resolved).
         mode: the mode in effect ("lazy" where "device" fell back for lack of GPU memory).
         step: the step, for saves of a ``CheckpointManager`` (else None).
     """
@@ -66,6 +70,7 @@ class SaveHandle:
         self._called = time.monotonic()
         self._staged_at: float | None = None
         self._durable_at: float | None = None
+        self._earlier: SaveHandle | None = None  # the save of the same file called before, in flight
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Wait until the state is no longer read: from then on the caller may change it (the
@@ -88,6 +93,10 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> str:
         """Wait until the checkpoint is durable (published and fsynced) and return its path.
+
+        A newer save of the same path publishes after this one, so the path may hold a newer
+        state by the time this returns. A Ctrl-C (KeyboardInterrupt) while this waits leaves
+        the save running: a later ``result()`` returns when it is durable.
 
         Raises:
             the worker's exception, when the save failed (the file was then not published:
@@ -147,6 +156,7 @@ _in_flight: list[SaveHandle] = []
 _uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
 _owner = os.getpid()
 _hooked = False
+_exit_hook_of_threading = False  # the exit hook runs before the atexit hooks (not among them)
 _names = itertools.count()
 
 
@@ -160,6 +170,7 @@ def _reserve(handle: SaveHandle, max_in_flight: int) -> None:
         failed = list(_uncollected)
         _uncollected.clear()
         if not failed:
+            handle._earlier = next((h for h in reversed(_in_flight) if h.path == handle.path), None)
             _in_flight.append(handle)
         if not _hooked:
             _hooked = True
@@ -193,6 +204,14 @@ def _collected(handle: SaveHandle) -> None:
     with _cond:
         if handle in _uncollected:
             _uncollected.remove(handle)
+
+
+def _publish_after_earlier(handle: SaveHandle) -> None:
+    """Wait until the save of the same file called before this one has ended (published or
+    failed): the newer state is renamed over the older, never the other way round."""
+    earlier, handle._earlier = handle._earlier, None
+    if earlier is not None:
+        earlier._done.wait()
 
 
 def in_flight() -> list[SaveHandle]:
@@ -236,6 +255,7 @@ def _at_exit() -> None:
         for left in in_flight():
             say(f"abandoned the background save of {left.path}: it was NOT published "
                  "(its temp file is removed by a later save of that path)")
+        _end_interrupted()
         return
     with _cond:
         failed = list(_uncollected)
@@ -245,15 +265,33 @@ def _at_exit() -> None:
              f"{type(handle._error).__name__}: {handle._error}")
 
 
+def _end_interrupted() -> None:
+    """End the process as Python ends one that a Ctrl-C interrupted: the atexit hooks run, then
+    the process kills itself with SIGINT (exit status 130 in a shell, which then stops a script
+    that ran it), never with status 0 as if all had gone well."""
+    if _exit_hook_of_threading:  # the atexit hooks have not run yet (inside them, they are running)
+        run_hooks = getattr(atexit, "_run_exitfuncs", None)
+        if run_hooks is not None:
+            run_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
+
+
 def _register_exit_hook() -> None:
     # CPython joins non-daemon threads, then runs atexit hooks: threading's own hook runs before
     # that join, where waiting can still be announced. The workers are daemon threads, so an
     # abandoned save (a second Ctrl-C) does not keep the process alive.
+    global _exit_hook_of_threading
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
             raise RuntimeError
         register(_at_exit)
+        _exit_hook_of_threading = True
     except RuntimeError:
         atexit.register(_at_exit)
 
@@ -268,13 +306,19 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         job.clear()  # from here on the snapshot lives only in these locals
         for event in captured.ready:
             event.synchronize()
-        write_checkpoint(plan, handle.path, cfg, progress=progress, after=captured.after, staged=handle._mark_staged)
+
+        def staged() -> None:  # the file is written, not yet published
+            handle._mark_staged()
+            _publish_after_earlier(handle)
+
+        write_checkpoint(plan, handle.path, cfg, progress=progress, after=captured.after, staged=staged)
     except BaseException as e:
         error = e
         traceback.clear_frames(e.__traceback__)  # a kept error must not keep the snapshot alive
     finally:
         plan = captured = None  # the snapshot's memory goes back before the completion runs
         handle._mark_staged()
+        handle._earlier = None  # a failed save keeps no chain of older handles alive
     if then is not None:
         try:
             then(error)
@@ -347,7 +391,9 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device"
             "host": every tensor is copied into host memory (pinned on a GPU machine), device
                 tensors on the current stream; the state may change as soon as the call returns.
         max_in_flight: at most this many saves of this process run at once, this one included;
-            when they do, the call first waits for the oldest to end (backpressure).
+            when they do, the call first waits for the oldest to end (backpressure). Saves of
+            one path publish in call order: the path ends with the newest call's state (a save
+            whose file is ready first waits for the earlier save of the path to end).
         buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
             this save (taken at the call).
 
@@ -362,12 +408,13 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device"
             ``result()``: its error, instead of starting this save.
 
     A process that exits with saves in flight waits for them, saying so on stderr (a Ctrl-C
-    there abandons them, which is also said); the error of a failed save nobody collected is
-    printed at exit.
+    there abandons them, which is also said, and ends the process as an interrupted Python
+    ends: exit status 130 in a shell); the error of a failed save nobody collected is printed
+    at exit.
 
     Example:
         >>> handle = ckptstream.save_async(state, "ckpt.safetensors")   # mode="device"
-        >>> loss = model(batch).backward()                              # training goes on
+        >>> loss_fn(model(inputs), targets).backward()                 # training goes on
         >>> handle.result()                                             # durable now
     """
     cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)

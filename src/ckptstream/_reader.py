@@ -406,7 +406,9 @@ def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Ten
 
 
 class TensorSlice:
-    """``reader.get_slice(key)``: boxes of one tensor by indexing (ints and slices of step 1)."""
+    """``reader.get_slice(key)``: boxes of one tensor by indexing, as torch indexes a tensor:
+    ints (negative ones count from the end) and slices of step 1 (their bounds as Python clips
+    them: ``[-5:]``, ``[2:-3]``, ``[10:2]`` empty)."""
 
     def __init__(self, reader: CheckpointReader, entry: TensorEntry) -> None:
         self._reader, self.entry = reader, entry
@@ -427,10 +429,11 @@ class TensorSlice:
             if isinstance(i, slice):
                 lo, hi, step = i.indices(size)
                 if step != 1:
-                    raise IndexError(f"{self.entry.key}: only slices of step 1 can be read, got {i}")
+                    raise IndexError(f"{self.entry.key}: only slices of step 1 can be read, got {i} (step {step}); "
+                                     "read the box with step 1, then index the tensor read (flip() for step -1)")
                 offsets.append(lo)
                 lengths.append(max(0, hi - lo))
-            elif isinstance(i, int):
+            elif isinstance(i, int) and not isinstance(i, bool):  # torch reads True as a new dimension
                 j = i + size if i < 0 else i
                 if not 0 <= j < size:
                     raise IndexError(f"{self.entry.key}: index {i} is out of range for dimension {dim} of size {size}")
@@ -448,8 +451,10 @@ class TensorSlice:
 def _check_destination(path: str, e: TensorEntry, t: torch.Tensor) -> None:
     check_tensor(t, f"the destination of {e.key!r}", writable=True)
     if (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
+        # never reinterpreted nor converted: a read gives the stored values, bit for bit
+        hint = "; read() it and convert with .to()" if t.dtype != e.dtype else ""
         raise StateMismatchError(f"{path}: {e.key} is {e.dtype} {list(e.shape)} in the file; the destination is "
-                                 f"{t.dtype} {list(t.shape)}")
+                                 f"{t.dtype} {list(t.shape)}{hint}")
 
 
 def _scalar_leaves(node: Any, path: KeyPath, found: dict[str, Any]) -> None:

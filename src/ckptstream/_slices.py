@@ -19,11 +19,13 @@ from ._engine import Piece
 
 def normalize_box(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int] | None,
                   key: str) -> tuple[list[int], list[int]]:
-    """Offsets and lengths for every dimension (missing trailing ones: whole), checked to lie
-    inside ``shape``; raises IndexError naming the key."""
+    """Offsets and lengths for every dimension, checked to lie inside ``shape``; raises
+    IndexError naming the key. A dimension without an offset starts at 0, one without a length
+    runs to its end (``lengths`` None: every dimension does)."""
     offsets = [int(o) for o in offsets]
-    lengths = list(shape[len(offsets) :]) if lengths is None else [int(n) for n in lengths]
+    lengths = [] if lengths is None else [int(n) for n in lengths]
     offsets += [0] * (len(shape) - len(offsets))
+    # a dimension without a length runs from its offset to its end
     lengths += [shape[i] - offsets[i] for i in range(len(lengths), len(shape))]
     if len(offsets) != len(shape) or len(lengths) != len(shape):
         raise IndexError(f"{key}: a slice of a tensor of shape {list(shape)} takes at most {len(shape)} offsets "

@@ -1,7 +1,9 @@
-"""The ``ckptstream`` command: inspect and verify checkpoint files, run the benchmark.
+"""The ``ckptstream`` command: inspect and verify checkpoints, run the benchmark.
 
-Exit codes: 0 success, 1 a corrupt checkpoint, 2 a usage error (bad arguments, unreadable file);
-``verify`` of several files exits with the worst of them.
+A checkpoint is a file, a CheckpointManager directory (every step, or ``--step N``), one of its
+step folders, or a DCP checkpoint's directory. Exit codes: 0 sound, 1 a corrupt or incomplete
+checkpoint, 2 a usage error (bad arguments, an unreadable file, a path that holds no
+checkpoint); ``verify`` of several checkpoints exits with the worst of them.
 """
 
 from __future__ import annotations
@@ -11,23 +13,18 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from . import _load
-from ._errors import CkptStreamError
+from . import _cli_dirs, _cli_files, _load
+from ._cli_dirs import DCP, MANAGER, STEP, Verdict
+from ._cli_text import MAX_ITEMS, print_directory, print_report, printable
+from ._errors import CkptStreamError, CorruptCheckpointError
 from ._header import DTYPE_NAMES
 from ._reader import CheckpointReader
+from ._structure import KeyPath
 
-# C0, DEL and C1 (U+0080..U+009F: U+009B is a one-character CSI to some terminals)
 T = TypeVar("T")
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: control characters (ANSI escapes) and characters that
-    cannot be encoded (lone surrogates) shown as escapes."""
-    return text.translate(_CONTROL).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _groups(reader: CheckpointReader) -> dict[str, dict[str, int]]:
@@ -40,8 +37,21 @@ def _groups(reader: CheckpointReader) -> dict[str, dict[str, int]]:
     return groups
 
 
+def _leaves(node: Any, path: KeyPath = ()) -> Iterable[tuple[KeyPath, Any]]:
+    """(key path, leaf) of every leaf of a reader's skeleton (TensorEntry or value), in order."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, node
+
+
 def inspect_report(path: str) -> dict[str, Any]:
-    """What ``ckptstream inspect`` shows, as plain data."""
+    """What ``ckptstream inspect`` shows of a checkpoint file, as plain data (and, under
+    "_leaves", every leaf with its key path in order, for the table: not in the JSON)."""
     with _load.open(path) as reader:
         h = reader.header
         return {
@@ -55,73 +65,146 @@ def inspect_report(path: str) -> dict[str, Any]:
             "checksums": "crc32c" if reader.checksummed else None,
             "metadata": reader.metadata,
             "structure": _groups(reader),
+            "_leaves": list(_leaves(reader.skeleton())),
         }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
+# --- verify ---------------------------------------------------------------------------------
 
 
-def _print_report(d: dict[str, Any]) -> None:
-    print(printable(f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors, {_human(d['data_bytes'])} of data "
-                    f"from byte {d['data_offset']}, checksums: {d['checksums'] or 'none'}"))
-    keys = [printable(t["key"]) for t in d["tensors"]]
-    width = max([len(k) for k in keys] + [4])
-    for key, t in zip(keys, d["tensors"], strict=True):
-        alias = printable(f"  (stored as {t['stored_as']})") if "stored_as" in t else ""
-        print(f"  {key:<{width}}  {t['dtype']:<8} {t['shape']!s:<20} {_human(t['bytes'])}{alias}")
-    if d["values"]:
-        print("values:")
-        for key, value in d["values"].items():
-            print(printable(f"  {key}: {value!r}"))
-    if d["metadata"]:
-        print("metadata:")
-        for k, v in d["metadata"].items():
-            print(printable(f"  {k}: {v}"))
-    if any(g["tensors"] > 1 for g in d["structure"].values()):  # a flat state would repeat the tensor list
-        print("structure:")
-        for key, group in d["structure"].items():
-            print(printable(f"  {key}: {group['tensors']} tensors, {_human(group['bytes'])}"))
-
-
-def _verify(path: str) -> int:
+def _verify_file(path: str) -> Verdict:
     def check() -> str:
         with _load.open(path) as reader:
             reader.verify()
             return (f"{len(reader)} tensors, checksums verified" if reader.checksummed
                     else "structure only: the file has no checksums")
 
-    how, status = _reporting("verify", check)
-    if how is not None:
-        print(printable(f"{path}: OK ({how})"))
-    return status
+    how, status, message = _reporting(path, check)
+    return Verdict(f"{path}: OK ({how})" if how is not None else message, status)
 
 
-def _reporting(command: str, work: Callable[[], T]) -> tuple[T | None, int]:
-    """``work()``'s result and exit status 0, or None and 1 (a corrupt checkpoint) or 2 (an
-    unreadable file, bad input) with the error on stderr."""
+def _reporting(path: str, work: Callable[[], T]) -> tuple[T | None, int, str]:
+    """``work()``'s result and exit status 0, or None, 1 (a corrupt checkpoint) or 2 (an
+    unreadable file, bad input) and what to say: the error, or where a damaged header or a file
+    of another kind tells more."""
     try:
-        return work(), 0
+        return work(), 0, ""
     except (CkptStreamError, OSError, ValueError) as e:
-        print(printable(f"ckptstream {command}: {e}"), file=sys.stderr)
-        return None, 1 if isinstance(e, CkptStreamError) else 2
+        message = str(e)
+        if isinstance(e, CorruptCheckpointError) and os.path.isfile(path):
+            other = _cli_files.other_kind(path)
+            if other is not None:
+                return None, 2, f"{path}: {other}"
+            message = _cli_files.header_damage(path) or message
+        return None, 1 if isinstance(e, CkptStreamError) else 2, message
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
+    """The kind of checkpoint at ``path`` ("file", MANAGER, STEP, DCP), or the verdict that it is none."""
+    if os.path.isdir(path):
+        try:
+            kind = _cli_dirs.folder_kind(path)
+        except OSError as e:
+            return None, Verdict(f"{path}: cannot be listed ({e.strerror})", 2)
+        if kind is None:
+            return None, Verdict(f"{path}: a folder that holds no checkpoint (a checkpoint file, a CheckpointManager "
+                                 "directory or step folder, or a DCP checkpoint's folder)", 2)
+        if step is not None and kind != MANAGER:
+            return None, Verdict(f"{path}: --step picks a step of a CheckpointManager directory; this is a {kind}", 2)
+        return kind, None
+    if step is not None:
+        return None, Verdict(f"{path}: --step picks a step of a CheckpointManager directory; this is a file", 2)
+    if _cli_dirs.is_dcp_metadata_name(os.path.basename(path)) and os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        return None, Verdict(f"{path}: this is a DCP checkpoint's metadata, not a checkpoint file; run "
+                             f"`ckptstream verify {folder}` (or inspect) on its folder", 2)
+    return "file", None
+
+
+def verify(path: str, step: int | None = None) -> list[Verdict]:
+    """The verdict on each checkpoint at ``path``."""
+    kind, refused = _what_is(path, step)
+    if refused is not None:
+        return [refused]
+    if kind == "file":
+        return [_verify_file(path)]
+    try:
+        if kind == MANAGER:
+            return _cli_dirs.check_manager(path, step)
+        return [_cli_dirs.check_step(path) if kind == STEP else _cli_dirs.check_dcp(path)]
+    except OSError as e:  # a folder that cannot be listed or read
+        return [Verdict(f"{path}: {e}", 2)]
+
+
+# --- inspect --------------------------------------------------------------------------------
+
+
+def inspect(path: str, step: int | None = None) -> tuple[dict[str, Any] | None, Verdict | None]:
+    """What ``inspect`` shows of ``path`` as plain data, or the verdict that it cannot."""
+    kind, refused = _what_is(path, step)
+    if refused is not None:
+        return None, refused
+    if kind == MANAGER and step is not None:
+        folder = _cli_dirs.step_folder(path, step)
+        if isinstance(folder, Verdict):  # no such step
+            return None, folder
+        kind, path = STEP, folder
+
+    def describe() -> dict[str, Any]:
+        if kind == MANAGER:
+            return _cli_dirs.describe_manager(path)
+        if kind == DCP:
+            return _cli_dirs.describe_dcp(path)
+        if kind == STEP:
+            report = _cli_dirs.describe_step(path)
+            report["reports"] = [inspect_report(os.path.join(path, n)) for n in report.get("files", {})]
+            return report
+        return inspect_report(path)
+
+    report, status, message = _reporting(path, describe)
+    return report, None if report is not None else Verdict(message, status)
+
+
+def _plain(report: Any) -> Any:
+    """``report`` without its private keys (the table's), for the JSON."""
+    if isinstance(report, dict):
+        return {k: _plain(v) for k, v in report.items() if not k.startswith("_")}
+    if isinstance(report, list):
+        return [_plain(v) for v in report]
+    return report
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def _max_items(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    return value
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; the benchmark's options (and the benchmark's modules) only where ``argv`` runs
+    it (or is not given)."""
     parser = argparse.ArgumentParser(prog="ckptstream", description=(__doc__ or "").split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="list the tensors, values, metadata and structure of a checkpoint")
+    inspect = sub.add_parser("inspect", help="list the tensors, values, metadata and structure of a checkpoint (a "
+                             "file, a CheckpointManager directory or step folder, a DCP checkpoint's folder)")
     inspect.add_argument("path")
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    check = sub.add_parser("verify", help="check checkpoints' headers, structure and checksums")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table (nothing collapsed)")
+    inspect.add_argument("--step", type=int, help="of a CheckpointManager directory: this step")
+    inspect.add_argument("--max-items", type=_max_items, default=MAX_ITEMS, metavar="N",
+                         help=f"show N items of each list or dict, then a count (default {MAX_ITEMS}; 0: all)")
+    check = sub.add_parser("verify", help="check checkpoints' headers, structure and checksums (files, "
+                           "CheckpointManager directories and step folders, DCP checkpoints' folders)")
     check.add_argument("paths", nargs="+", metavar="path")
-    from . import bench
+    check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
+    bench = sub.add_parser("bench", help="measure ckptstream against the disk, PCIe and its peers")
+    if argv is None or argv[:1] == ["bench"]:
+        from . import bench as benchmark
 
-    bench.add_arguments(sub.add_parser("bench", help="measure ckptstream against the disk, PCIe and its peers"))
+        benchmark.add_arguments(bench)
     return parser
 
 
@@ -131,15 +214,27 @@ def _run(args: argparse.Namespace) -> int:
 
         return bench.run(args)
     if args.command == "verify":
-        return max(_verify(path) for path in args.paths)
-    report, status = _reporting("inspect", lambda: inspect_report(args.path))
-    if report is None:
+        status = 0
+        for path in args.paths:
+            for verdict in verify(path, args.step):
+                if verdict.status == 0:
+                    print(printable(verdict.line))
+                else:
+                    print(printable(f"ckptstream verify: {verdict.line}"), file=sys.stderr)
+                status = max(status, verdict.status)
         return status
+    report, refused = inspect(args.path, args.step)
+    if refused is not None or report is None:
+        assert refused is not None
+        print(printable(f"ckptstream inspect: {refused.line}"), file=sys.stderr)
+        return refused.status
     if args.json:
         # ensure_ascii escapes control characters and lone surrogates; NaN and Infinity are no JSON
-        print(json.dumps(_finite(report), indent=2, ensure_ascii=True, allow_nan=False, default=repr))
+        print(json.dumps(_finite(_plain(report)), indent=2, ensure_ascii=True, allow_nan=False, default=repr))
+    elif "kind" in report:
+        print_directory(report, args.max_items)
     else:
-        _print_report(report)
+        print_report(report, args.max_items)
     return 0
 
 
@@ -155,7 +250,8 @@ def _finite(value: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         status = _run(args)
         sys.stdout.flush()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from relutil import (
 
 import ckptstream
 
-SAVES = 50
+SAVES = 12
 SIZE_MIB = 4
 
 
@@ -83,32 +82,57 @@ def test_threads_saving_over_one_path_leave_one_complete_file(tmp_path: Path) ->
 
 
 def test_loading_while_another_process_saves_over_the_path(tmp_path: Path) -> None:
+    """Another process saves versions 1..SAVES over the path, in step with this one: for each
+    version this process loads the path while the new file is written but not yet renamed (the
+    old version, also from a reader opened then and read after the rename), again as the rename
+    happens (either version, whole), and once the save has returned (the new version)."""
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save(version_state(0), path)
-    writer = subprocess.Popen(child_command("child_saver_loop.py", path, 1, SAVES, SIZE_MIB), stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
-    assert writer.stdout is not None
+    writer = subprocess.Popen(child_command("child_saver_loop.py", path, 1, SAVES, SIZE_MIB), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    commands, replies = writer.stdin, writer.stdout
+    assert commands is not None
+    assert replies is not None
+
+    def hear(expected: str) -> None:
+        line = replies.readline().strip()
+        assert line == expected, f"the writer said {line!r}, expected {expected!r}"
+
+    def say(word: str) -> None:
+        commands.write(word + "\n")
+        commands.flush()
+
+    def load() -> int:
+        state = ckptstream.load(path)  # every tensor checked against its checksum
+        version: int = state["meta"]["version"]
+        assert_same_state(state, version_state(version))
+        return version
+
+    seen: list[int] = []
     try:
-        assert writer.stdout.readline().strip() == "ready"
-        seen: list[int] = []
-        while writer.poll() is None or not seen:
-            state = ckptstream.load(path)  # verify=True: every tensor checked against its checksum
-            version = state["meta"]["version"]
-            assert 0 <= version <= SAVES
-            assert_same_state(state, version_state(version))
-            assert not seen or version >= seen[-1], "versions went backwards"
-            seen.append(version)
-            if len(seen) % 10 == 0:
+        hear("ready")
+        for version in range(1, SAVES + 1):
+            say("go")
+            hear(f"written {version}")
+            seen.append(load())
+            assert seen[-1] == version - 1, "a load saw a file that was not published yet"
+            with ckptstream.open(path) as before_the_rename:
+                say("publish")
+                seen.append(load())  # as the rename happens: the old or the new file, whole
+                assert_same_state(before_the_rename.load(), version_state(version - 1))
+            hear(f"saved {version}")
+            seen.append(load())
+            assert seen[-1] == version
+            assert seen == sorted(seen), f"versions went backwards: {seen}"
+            if version % 10 == 0:
                 ckptstream.verify(path)
-            time.sleep(0.02)  # leave the writer some CPU: CI has two cores
+        commands.close()
         assert writer.wait(timeout=120) == 0
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
-        writer.stdout.close()
-    final = ckptstream.load(path)
-    assert_same_state(final, version_state(SAVES))
-    assert len(seen) >= 20, f"loads did not overlap the saves: {seen}"
-    assert len(set(seen)) >= 5, f"loads did not overlap the saves: {seen}"
+        replies.close()
+    assert len(seen) == 3 * SAVES
+    assert_same_state(ckptstream.load(path), version_state(SAVES))
     assert all_temp_files(tmp_path) == []

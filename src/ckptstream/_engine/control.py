@@ -4,12 +4,17 @@ A transfer must never leave the caller with its I/O threads still running: such 
 fill a staging buffer already back in the pool, or write to a descriptor that was closed and
 reused for another file. So the engine's own threads are joined on every path, and while a
 transfer runs in the main thread a Ctrl-C only stops it: the KeyboardInterrupt is raised once
-every thread is joined and the staging buffers are back, however many interrupts arrive.
+every thread is joined and the staging buffers are back, however many interrupts arrive. It is
+raised plain, without the internal TransferCancelled that stopped the transfer (which
+``CKPTSTREAM_DEBUG=1`` shows as its context); an error the transfer met on its own stays its
+context.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -91,8 +96,12 @@ def interrupts_deferred(stop: Callable[[], None] | None = None) -> Iterator[None
         scope.stops.append(stop)
     _scope = scope
     signal.signal(signal.SIGINT, scope.handle)
+    raised: BaseException | None = None
     try:
         yield
+    except BaseException as e:
+        raised = e
+        raise
     finally:
         # the scope is closed first: a signal still pending while the default handler comes back
         # raises KeyboardInterrupt right here, which is what closing would raise anyway
@@ -101,7 +110,17 @@ def interrupts_deferred(stop: Callable[[], None] | None = None) -> Iterator[None
             signal.signal(signal.SIGINT, signal.default_int_handler)
         finally:
             if scope.interrupted:
-                raise KeyboardInterrupt  # chained to an exception the block raised, if any
+                if isinstance(raised, TransferCancelled) and not debugging():
+                    # the stop the interrupt asked for: the user sees a plain KeyboardInterrupt
+                    raise KeyboardInterrupt from None
+                raise KeyboardInterrupt  # chained to the error the block raised (a real failure)
+
+
+@functools.cache
+def debugging() -> bool:
+    """``CKPTSTREAM_DEBUG`` (read once) is set to anything but "", "0", "false", "no" or "off":
+    a Ctrl-C's KeyboardInterrupt then shows the cancelled transfer it ended as its context."""
+    return os.environ.get("CKPTSTREAM_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def join(threads: Sequence[threading.Thread], on_interrupt: Callable[[], None] | None = None) -> None:

@@ -133,6 +133,21 @@ def verify_cost(rows: list[dict[str, Any]]) -> float | None:
     return 1 - on["gbps"] / off["gbps"] if on and off else None
 
 
+def verify_noise(rows: list[dict[str, Any]]) -> float | None:
+    """The run-to-run noise of the two hot loads ``verify_cost`` compares: the larger of their
+    interquartile ranges over their medians (None where either ran once). A cost no larger than
+    that cannot be told from the machine's own variation."""
+    hot = {row["label"]: row["hot"] for row in rows}
+    spreads: list[float] = []
+    for label in ("ckptstream", "ckptstream checksum=False"):
+        runs: list[float] = (hot.get(label) or {}).get("gbps_runs", [])
+        if len(runs) < 2:
+            return None
+        q1, _, q3 = statistics.quantiles(runs, n=4, method="inclusive")
+        spreads.append((q3 - q1) / statistics.median(runs))
+    return max(spreads)
+
+
 def targets(rows: list[dict[str, Any]], ranks: int, kind: str, device: str) -> list[dict[str, Any]]:
     """The targets (see TARGETS_SET_FOR), checked against this run's figures; none where they do
     not apply (another device or kind of state)."""
@@ -184,6 +199,7 @@ def build_report(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any
         "repeat": opts.repeat, "ckptstream_settings": _ckptstream_settings(raw),
         "cold": {"method": method.value, "label": cache.cold_label(method, worst), "worst_resident_fraction": worst},
         "ceilings": ceilings, "rows": rows, "speedups": speedups(rows), "verify_cost": verify_cost(rows),
+        "verify_noise": verify_noise(rows),
         "dcp_backend_speedups": dcp_backend_speedups(rows),
         "targets": found, "targets_set_for": TARGETS_SET_FOR[mode] if found else None,
         "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info, "raw": raw,

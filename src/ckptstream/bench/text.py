@@ -35,7 +35,8 @@ def _header(report: dict[str, Any]) -> list[str]:
            + f" ({report['cold']['method']}); file system {fs} at {report['machine']['dir']}"]
     staging = report.get("ckptstream_settings")
     if staging:
-        out.append(f"ckptstream settings: {staging['num_buffers']} x {format_bytes(staging['buffer_size'])} staging, "
+        out.append(f"ckptstream settings: staging of up to {staging['num_buffers']} x "
+                   f"{format_bytes(staging['buffer_size'])} (a transfer allocates the buffers its chunks need), "
                    f"{staging['io_threads']} I/O threads")
     kinds = (("write", "write O_DIRECT+fsync"), ("read", "cold read O_DIRECT"), ("hot", "hot read page cache"))
     parts = [f"{name} {short_number(ceil[k]['gbps'])} GB/s ({ceil[k]['threads']} thr)"
@@ -54,12 +55,12 @@ def _rss(figs: list[Fig | None], key: str) -> str:
 def _rows(report: dict[str, Any]) -> list[str]:
     cold, multi = report["cold"]["label"], report["state"]["ranks"] > 1
     small = report["state"]["kind"] == "small"  # rates of tiny tensors say little: show times too
-    headers = ["system", "save GB/s", "/write", f"{cold} load GB/s", "/read"]
+    headers = ["system", "save GB/s", "save/ceiling", f"{cold} load GB/s", f"{cold} load/ceiling"]
     if multi:
         headers += ["slowest save s", "slowest load s", "RSS/proc save", "RSS/proc load",
                     "RSS total save", "RSS total load"]
     else:
-        headers += ["hot load GB/s", "/hot", "peak RSS save", "peak RSS load", "staging"]
+        headers += ["hot load GB/s", "hot load/ceiling", "save RSS growth", "load RSS growth", "staging allocated"]
         headers += ["save s", f"{cold} load s", "hot load s"] if small else []
     lines = []
     for row in report["rows"]:
@@ -100,12 +101,23 @@ def _targets(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _verify_line(cost: float, noise: float | None) -> str:
+    """The cost of verifying, or "within noise" where the hot loads' own spread is as large."""
+    compared = "ckptstream against ckptstream checksum=False"
+    if noise is None:
+        return f"verifying checksums cost {cost:.1%} of ckptstream's hot load speed ({compared}; one run each)"
+    if abs(cost) <= noise:
+        return (f"verifying checksums cost within noise: {cost:+.1%} of ckptstream's hot load speed, while the hot "
+                f"loads' runs spread {noise:.1%} ({compared})")
+    return (f"verifying checksums cost {cost:.1%} of ckptstream's hot load speed (the runs spread {noise:.1%}; "
+            f"{compared})")
+
+
 def render_report(report: dict[str, Any]) -> str:
     """The report as printed on stdout."""
     out = _header(report) + _rows(report) + _speedups(report)
     if report.get("verify_cost") is not None:
-        out += ["", f"verifying checksums cost {report['verify_cost']:.1%} of ckptstream's hot load speed "
-                    "(ckptstream against ckptstream checksum=False)"]
+        out += ["", _verify_line(report["verify_cost"], report.get("verify_noise"))]
     dcp = {p: r for p, r in report.get("dcp_backend_speedups", {}).items() if r}
     if dcp:
         out += ["", "DCP with ckptstream's StreamWriter / StreamReader over DCP's own storage: "

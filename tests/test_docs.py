@@ -1,0 +1,84 @@
+"""The Python examples of the README and of docs/training.md marked ``<!-- runs in
+tests/test_docs.py -->`` run as written, on a tiny model on the CPU in a temporary folder: the
+README's quick start, and the training loop, which is run, run again as a resumed process would
+(a fresh model and optimizer), and compared bit for bit with a run never interrupted."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptstream
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "<!-- runs in tests/test_docs.py -->"
+_MARKS = re.compile("^" + re.escape(MARK) + "$", re.MULTILINE)
+_BLOCK = re.compile("^" + re.escape(MARK) + r"\n```python\n(.*?)\n```", re.DOTALL | re.MULTILINE)
+
+
+def examples(doc: str) -> list[str]:
+    """The marked Python blocks of ``doc`` (a path from the repository's root)."""
+    text = (ROOT / doc).read_text()
+    found = _BLOCK.findall(text)
+    assert len(found) == len(_MARKS.findall(text)), f"{doc}: a {MARK} line not followed by a ```python block"
+    return found
+
+
+def run(code: str, doc: str, **names: Any) -> dict[str, Any]:
+    namespace = dict(names)
+    exec(compile(code, doc, "exec"), namespace)  # the example as a reader would paste it
+    return namespace
+
+
+def test_the_readme_quick_start_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (quick_start,) = examples("README.md")
+    monkeypatch.chdir(tmp_path)
+    done = run(quick_start, "README.md")
+    state, loaded = done["state"], done["loaded"]
+    assert loaded["step"] == 1
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+    assert torch.equal(loaded["rng"], state["rng"])
+    ckptstream.verify(tmp_path / "ckpt.safetensors")
+
+
+def tiny_training(seed: int) -> dict[str, Any]:
+    """What the training loop's example takes as given: a model, its optimizer, next_batch()
+    (drawn from the global generator, whose state the loop saves), steps and save_every."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, 12), torch.randint(0, 5, (8,))
+
+    return {"model": model, "opt": opt, "next_batch": next_batch, "save_every": 2}
+
+
+def parameters(done: dict[str, Any]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in done["model"].parameters()]
+
+
+def test_the_training_loop_runs_and_resumes_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (loop,) = examples("docs/training.md")
+    doc = "docs/training.md"
+    (tmp_path / "interrupted").mkdir()
+    (tmp_path / "whole").mkdir()
+    monkeypatch.chdir(tmp_path / "interrupted")
+    first = run(loop, doc, steps=5, **tiny_training(seed=1))  # stops after step 5; saved at 2 and 4
+    assert ckptstream.CheckpointManager("ckpts").steps() == [2, 4]
+    assert first["step"] == 5
+    resumed = run(loop, doc, steps=8, **tiny_training(seed=99))  # a new process: other initial weights
+    assert resumed["loaded"]["step"] == 4
+    assert ckptstream.CheckpointManager("ckpts").steps() == [4, 6, 8]
+    monkeypatch.chdir(tmp_path / "whole")
+    whole = run(loop, doc, steps=8, **tiny_training(seed=1))
+    assert "loaded" not in whole  # nothing to resume from
+    for a, b in zip(parameters(resumed), parameters(whole), strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(parameters(first), parameters(whole), strict=True):
+        assert not torch.equal(a, b)  # the comparison sees training steps
