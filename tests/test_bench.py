@@ -133,7 +133,10 @@ def test_ranks_2_quick_with_gloo_and_a_missing_peer(tmp_path: Path) -> None:
                        "--tensors", "16", "--tensor-kib", "64", env=without_safetensors(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert any("safetensors skipped" in note and "not installed" in note for note in data["notes"])
-    assert "note: safetensors skipped" in proc.stdout
+    assert set(data["not_run"]) == {"safetensors"}
+    assert "safetensors skipped: safetensors.torch is not installed" in data["not_run"]["safetensors"]
+    assert re.search(r"\nsafetensors +not run( +-)+\n", proc.stdout)  # its row in the table
+    assert f"\n{data['not_run']['safetensors']}\n" in proc.stdout  # and why, under the table
     assert data["mode"] == "ranks"
     assert data["state"]["ranks"] == 2
     assert [row["label"] for row in data["rows"]] == ["ckptstream", "dcp"]

@@ -1,8 +1,10 @@
 """``ckptstream bench``: the raw disk and copy ceilings, the peers (torch.save, safetensors,
-torch.distributed.checkpoint) and ckptstream, measured side by side on the same state in one run.
+torch.distributed.checkpoint, and the fast loaders of the ``bench-peers`` extra) and ckptstream,
+measured side by side on the same state in one run.
 
 Modules: ``options`` the command line, ``state`` builds the GPT-like (or many-small-tensors)
-state, ``systems`` says how each system saves and loads, ``runner`` starts a worker process per
+state, ``systems`` says how each system saves and loads (``peers`` for the fast loaders),
+``training`` and ``checkpointers`` the stall benchmark, ``runner`` starts a worker process per
 job and cleans up, ``worker`` is that process (``job`` what it is handed), measuring a system,
 the raw rates (``ceilings``) or the staging sweep (``sweep``); ``measure`` and ``cache`` time a
 phase and make loads cold, ``multirank`` runs several ranks at once; ``report``, ``text`` and
@@ -58,11 +60,12 @@ def _run_sweep(opts: Options) -> int:
 def _run_training(opts: Options) -> int:
     from . import training
 
-    unknown = sorted(set(opts.training_systems or ()) - set(training.SYSTEMS))
+    unknown = sorted(set(opts.training_systems or ()) - set(training.ALL_SYSTEMS))
     if unknown:
-        raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.SYSTEMS)}")
+        raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.ALL_SYSTEMS)}")
     result = training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
-                          directory=opts.dir, checkpoints=max(2, opts.repeat), progress=runner.progress)
+                          directory=opts.dir, checkpoints=opts.repeat, steps=opts.training_steps,
+                          progress=runner.progress)
     print(training.render(result), flush=True)
     full = {"schema": 1, "mode": "training", "device": opts.device, "training": result,
             "machine": machine_description(opts.dir)}

@@ -1,0 +1,131 @@
+"""The fast loaders of the ``bench-peers`` extra as systems of ``ckptstream bench``: fastsafetensors,
+InstantTensor, Run:ai Model Streamer and tensorizer. Each loads exactly the saved bytes, on every
+device it loads to; a run lists each peer as a row, and each one that cannot run here (its
+package absent, a device it does not load to) as a row that says why. The peers are imported by
+the benchmark only when asked for, so these tests run with and without them installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstream.bench import systems, training
+from ckptstream.bench.state import StateSpec, build_state, flat_tensors
+from helpers import assert_bytes_equal, random_tensor
+
+TINY = 1 / 1024  # GiB: about 1 MiB of state
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(systems.SYSTEMS[name].module) is not None
+
+
+def require(name: str) -> None:
+    if not installed(name):
+        pytest.skip(f"{systems.SYSTEMS[name].module} is not installed (pip install 'ckptstream[bench-peers]')")
+
+
+def peer_state(device: torch.device) -> dict[str, Any]:
+    """The benchmark's GPT-like state (bf16 weights, fp32 master weights and moments), with tensors
+    of odd byte sizes in front so that most tensors after them sit at offsets their dtype does not
+    divide: a loader must not assume aligned offsets."""
+    state = build_state(StateSpec(256 << 10, seed=7), device)
+    state["odd"] = {"bf16x3": random_tensor(3, torch.bfloat16, device), "u8x5": random_tensor(5, torch.uint8, device),
+                    "f64x7": random_tensor(7, torch.float64, device)}
+    return {"odd": state.pop("odd"), **state}
+
+
+@pytest.mark.parametrize("name", systems.LOAD_PEERS)
+def test_each_peer_loads_exactly_the_saved_bytes(name: str, device: torch.device, tmp_path: Path) -> None:
+    system = systems.SYSTEMS[name]
+    variants = system.variants_on(device.type)
+    if not variants:
+        pytest.skip(system.devices_note)
+    require(name)
+    state = peer_state(device)
+    path = system.path(str(tmp_path), 0)
+    system.save(state, path, 1)  # its own format (tensorizer) or the safetensors file ckptstream writes
+    want = flat_tensors(state)
+    for v in variants:
+        loaded = v.load(path, state, str(device), 1)
+        assert sorted(loaded) == sorted(want), v.label
+        for key, tensor in want.items():
+            assert loaded[key].device.type == device.type, (v.label, key)
+            assert_bytes_equal(loaded[key], tensor)
+        del loaded
+
+
+def bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    work.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "ckptstream.cli", "bench", "--quick", "--dir", str(work),
+                           "--json", str(out), *args], capture_output=True, text=True, timeout=240)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_a_run_lists_every_peer_it_was_asked_for(tmp_path: Path) -> None:
+    """A row per peer that ran (loads only: its file was written before the clock), and a row
+    with the reason for each one that could not run here: never silently dropped."""
+    proc, data = bench(tmp_path, "--device", "cpu", "--hot-runs", "2",
+                       "--systems", "ckptstream", *systems.LOAD_PEERS)
+    assert proc.returncode == 0, proc.stderr
+    ran = [n for n in systems.LOAD_PEERS if installed(n) and systems.SYSTEMS[n].variants_on("cpu")]
+    labels = [row["label"] for row in data["rows"]]
+    assert labels[0] == "ckptstream"
+    assert [label for label in labels if label in systems.LOAD_PEERS] == ran
+    for row in data["rows"]:
+        if row["system"] in systems.LOAD_PEERS:
+            assert row["save"] is None  # its file was not written on the clock
+            assert row["cold"]["gbps"] > 0
+            assert len(row["hot"]["gbps_runs"]) == 2
+            assert data["speedups"][row["label"]]["save"] is None
+            assert data["speedups"][row["label"]]["cold"] > 0
+    not_run = data["not_run"]
+    assert set(not_run) == set(systems.LOAD_PEERS) - set(ran)
+    assert "CUDA devices only" in not_run["instanttensor"]
+    for name in set(not_run) - {"instanttensor"}:
+        assert "is not installed" in not_run[name], not_run[name]
+    assert data["failed"] == {}
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("system"))
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line for line in lines[header + 2:] if line.strip()}
+    for name in not_run:
+        assert re.match(rf"{re.escape(name)}\s+not run(\s+-)+$", rows[name]), rows[name]
+        assert not_run[name] in proc.stdout  # the reason, under the table
+    for name in ran:
+        assert re.match(rf"{re.escape(name)}\s+-\s+-\s+\d", rows[name]), rows[name]  # no save figure
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_nvrx_async_save_says_why_it_cannot_run_on_the_cpu(tmp_path: Path) -> None:
+    result = training.run(TINY, device="cpu", systems=["nvrx.async_save"], directory=str(tmp_path),
+                          checkpoints=1, isolate=False)
+    error = result["systems"]["nvrx.async_save"]["error"]
+    assert error.startswith("RuntimeError: nvrx.async_save needs a CUDA device"), error
+    assert "could not run: RuntimeError: nvrx.async_save needs a CUDA device" in training.render(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_the_async_peers_on_a_gpu(tmp_path: Path) -> None:
+    """DCP with the pinned stager and nvidia-resiliency-ext's async save, each in its own process,
+    over the same steps, every write durable by the end."""
+    wanted = ["device", "dcp.async_save+pinned"] + (["nvrx.async_save"] if
+                                                    importlib.util.find_spec("nvidia_resiliency_ext") else [])
+    result = training.run(TINY, device="cuda", systems=wanted, directory=str(tmp_path), checkpoints=1)
+    for name in wanted:
+        row = result["systems"][name]
+        assert "error" not in row, (name, row)
+        assert row["steps"] == result["steps"]
+        assert row["durable_s"] > 0
+        assert row["lost_s"] == pytest.approx(row["blocked_s"] + row["slowed_s"] + row["waited_s"])
+    assert list(tmp_path.iterdir()) == []
