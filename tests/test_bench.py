@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -487,3 +488,35 @@ def test_the_benchmark_modules_import_one_way() -> None:
 
     for module in graph:
         visit(module, ())
+
+
+def run_until(argv: list[str], line: str, sig: signal.Signals = signal.SIGINT) -> tuple[int, str, str]:
+    """Run a command in a process group of its own, send the group ``sig`` once ``line`` shows on
+    the command's stderr (as Ctrl-C in a terminal does), and wait for it to end."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: list[str] = []
+    assert proc.stderr is not None
+    for got in proc.stderr:
+        seen.append(got)
+        if line in got:
+            os.killpg(proc.pid, sig)
+            break
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, "".join(seen) + err
+
+
+def test_an_interrupted_run_reports_the_systems_it_measured(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    work.mkdir()
+    rc, stdout, stderr = run_until([sys.executable, "-m", "ckptstream.cli", "bench", "--quick", "--dir", str(work),
+                                    "--json", str(out), "--systems", "ckptstream", "torch"], "[3/3] torch")
+    assert rc == 130, stderr
+    data = json.loads(out.read_text())
+    assert [row["label"] for row in data["rows"]][:1] == ["ckptstream"]
+    assert "torch" not in data["raw"]["systems"]
+    assert data["not_run"] == {"torch": "torch skipped: the run was interrupted before it finished"}
+    assert re.search(r"\ntorch +not run( +-)+\n", stdout)
+    assert data["notes"][-1].startswith("interrupted")
+    assert "interrupted: the run stopped after the systems above" in stdout
+    assert "ckptstream bench: interrupted; temporary files removed" in stderr
+    assert list(work.iterdir()) == []

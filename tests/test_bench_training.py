@@ -6,7 +6,9 @@ clock, the choice of N and the notes on a real loop on the CPU."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from ckptstream.bench import checkpointers, training
+from test_bench import run_until
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
 STEP, SLOWER, GATE, CALL, WAIT = 0.010, 0.002, 0.003, 0.005, 0.100  # seconds on the simulated clock
@@ -175,3 +178,19 @@ def test_explicit_steps_and_the_automatic_choice(tmp_path: Path) -> None:
     assert result["steps"] == result["systems"]["device"]["steps"] == 13
     assert training.auto_steps(10**9, 0.05) == 50  # 1 GB at 0.4 GB/s is 2.5 s: 50 steps of 50 ms
     assert training.auto_steps(10**6, 1.0) == training.MIN_STEPS
+
+
+def test_an_interrupted_training_run_reports_the_systems_it_measured(tmp_path: Path) -> None:
+    out = tmp_path / "stall.json"
+    rc, stdout, stderr = run_until([sys.executable, "-m", "ckptstream.cli", "bench", "--training", "--device", "cpu",
+                                    "--size-gib", str(TINY), "--repeat", "1", "--dir", str(tmp_path),
+                                    "--training-systems", "sync", "device", "--json", str(out)],
+                                   "stall benchmark: device")
+    assert rc == 130, stderr
+    result = json.loads(out.read_text())["training"]
+    assert list(result["systems"]) == ["sync"]
+    assert result["systems"]["sync"]["lost_s"] == pytest.approx(
+        sum(result["systems"]["sync"][k] for k in ("blocked_s", "slowed_s", "waited_s")))
+    assert result["notes"][-1].startswith("interrupted")
+    assert "note: interrupted" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stall.json"]

@@ -27,8 +27,25 @@ from .state import StateSpec
 __all__ = ["BenchError", "add_arguments", "run"]
 
 
+INTERRUPTED = "interrupted: the run stopped after the systems above"
+
+
 def _run_bench(opts: Options) -> int:
-    raw = runner.run_all(opts)
+    raw: dict[str, Any] = {}
+    try:
+        runner.run_all(opts, raw)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: report what was measured, then stop
+        if raw.get("systems"):
+            raw["notes"].append(INTERRUPTED)
+            done = {*raw["systems"], *raw["skipped"], *raw["failed"]}
+            raw["skipped"].update({name: f"{name} skipped: the run was interrupted before it finished"
+                                   for name in opts.systems if name not in done})
+            _report_bench(opts, raw)
+        raise
+    return _report_bench(opts, raw)
+
+
+def _report_bench(opts: Options, raw: dict[str, Any]) -> int:
     rep = report.build_report(opts, raw, machine_description(opts.dir))
     print(text.render_report(rep), flush=True)
     _outputs(opts, rep, plot.plot_report)
@@ -63,9 +80,22 @@ def _run_training(opts: Options) -> int:
     unknown = sorted(set(opts.training_systems or ()) - set(training.ALL_SYSTEMS))
     if unknown:
         raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.ALL_SYSTEMS)}")
-    result = training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
-                          directory=opts.dir, checkpoints=opts.repeat, steps=opts.training_steps,
-                          progress=runner.progress)
+    result: dict[str, Any] = {}
+    try:
+        training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
+                     directory=opts.dir, checkpoints=opts.repeat, steps=opts.training_steps,
+                     progress=runner.progress, into=result)
+    except (KeyboardInterrupt, SystemExit):  # report the systems measured, then stop
+        if any("error" not in row for row in result.get("systems", {}).values()):
+            result["notes"].append(INTERRUPTED)
+            _report_training(opts, result)
+        raise
+    return _report_training(opts, result)
+
+
+def _report_training(opts: Options, result: dict[str, Any]) -> int:
+    from . import training
+
     print(training.render(result), flush=True)
     full = {"schema": 1, "mode": "training", "device": opts.device, "training": result,
             "machine": machine_description(opts.dir)}

@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
     add("--systems", nargs="+", metavar="NAME",
         help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)}; with --ranks also dcp-stream)")
+    add("--variants", nargs="+", metavar="LABEL",
+        help="only these load variants of the systems run, by their row label (e.g. ckptstream; default: all)")
     add("--json", metavar="FILE", help="write every figure and the machine's description as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: pip install 'ckptstream[bench]')")
     add("--quick", action="store_true", help="tiny state, one run, one thread count: seconds, for CI")
@@ -121,6 +123,7 @@ class Options:
     training_systems: tuple[str, ...] | None = None
     training_steps: int | None = None
     hot_runs: int | None = None  # None: the worker's default
+    variants: tuple[str, ...] = ()  # load variants to run, by label; () for all
 
     @property
     def total_bytes(self) -> int:
@@ -152,6 +155,22 @@ def _systems(given: list[str] | None, ranks: int) -> tuple[str, ...]:
     if unknown:
         raise BenchError(f"unknown system(s) {unknown}; known: {sorted(SYSTEMS)}")
     return tuple(dict.fromkeys(names))
+
+
+def _variants(given: list[str] | None, systems: tuple[str, ...]) -> tuple[str, ...]:
+    """The load variants asked for; each must be one of the chosen systems', and each system keeps one."""
+    if not given:
+        return ()
+    labels = {name: [v.label for v in SYSTEMS[name].variants] for name in systems}
+    unknown = sorted(set(given) - {label for found in labels.values() for label in found})
+    if unknown:
+        raise BenchError(f"--variants: unknown load variant(s) {unknown} of the systems {list(systems)}; known: "
+                         f"{[label for found in labels.values() for label in found]}")
+    empty = [name for name, found in labels.items() if not set(found) & set(given)]
+    if empty:
+        raise BenchError(f"--variants leaves {empty} without a load to run: name one of each system's "
+                         f"({ {name: labels[name] for name in empty} })")
+    return tuple(dict.fromkeys(given))
 
 
 def _staging(args: argparse.Namespace) -> dict[str, int]:
@@ -205,7 +224,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
         "buffer_mib": args.sweep_buffer_mib, "num_buffers": args.sweep_num_buffers,
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
-    return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems, args.ranks), args.json,
+    systems = _systems(args.systems, args.ranks)
+    return Options(device, spec, repeat, os.path.abspath(args.dir), systems, args.json,
                    args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
                    _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None,
-                   args.training_steps, args.hot_runs)
+                   args.training_steps, args.hot_runs, _variants(args.variants, systems))

@@ -150,7 +150,7 @@ def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str,
         "dir": os.path.join(work, kind), "threads": list(opts.threads),
         "hot_threads": [] if opts.ranks > 1 else list(opts.hot_threads),
         "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "sweep_axes": opts.sweep_axes, "staging": opts.staging,
-        "hot_runs": opts.hot_runs,
+        "hot_runs": opts.hot_runs, "variants": list(opts.variants),
     }
 
 
@@ -166,8 +166,9 @@ def _merge_ceilings(before: list[dict[str, Any]] | None, after: list[dict[str, A
     return before
 
 
-def run_all(opts: Options) -> dict[str, Any]:
-    """Ceilings, then each system, each in its own process(es). Returns the raw results."""
+def run_all(opts: Options, raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ceilings, then each system, each in its own process(es). Returns the raw results, filled
+    into ``raw`` as they come in (an interrupted run keeps what it measured)."""
     nbytes = opts.total_bytes
     check_resources(opts, nbytes)
     cold = cache.cold_method(opts.cold, gentle=opts.quick)
@@ -179,8 +180,8 @@ def run_all(opts: Options) -> dict[str, Any]:
     if machine.mount_of(opts.dir)["fs_type"] in ("tmpfs", "ramfs"):
         fs_type = machine.mount_of(opts.dir)["fs_type"]
         notes.append(f"{opts.dir} is in memory ({fs_type}): the 'disk' figures measure RAM")
-    raw: dict[str, Any] = {"cold_method": cold.value, "notes": notes, "skipped": skipped, "systems": {},
-                           "failed": {}}
+    raw = {} if raw is None else raw
+    raw.update({"cold_method": cold.value, "notes": notes, "skipped": skipped, "systems": {}, "failed": {}})
     who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
     progress(f"{who}{opts.spec.summary()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
     with workspace(opts) as work:

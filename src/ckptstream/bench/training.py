@@ -235,13 +235,18 @@ def measure(system: str, size_gib: float, *, device: str = "auto", directory: st
 
 def run(size_gib: float, *, device: str = "auto", systems: tuple[str, ...] | list[str] | None = None,
         directory: str | None = None, checkpoints: int = 2, steps: int | None = None, isolate: bool = True,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        progress: Callable[[str], None] | None = None, into: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure every system (each in a process of its own with ``isolate``) over the same N steps
     (``steps``, or ``auto_steps`` from the first system that runs); a JSON-able dict with a row per
-    system ("error" where one could not run), ratios, and notes on writes that outlasted the loop."""
-    chosen = list(systems or SYSTEMS)
+    system ("error" where one could not run), ratios, and notes on writes that outlasted the loop.
+    ``into`` (returned) is kept complete after each system, so that an interrupted run has the rows
+    measured before."""
+    result = {} if into is None else into
     rows: dict[str, dict[str, Any]] = {}
-    for system in chosen:
+    result.update({"kind": "training-stall", "size_gib": size_gib, "torch": torch.__version__,
+                   "ckptstream": ckptstream.__version__, "systems": rows})
+    _summarize(result, steps)
+    for system in systems or SYSTEMS:
         if progress is not None:
             progress(f"stall benchmark: {system} ({size_gib:g} GiB state" + (f", {steps} steps)" if steps else ")"))
         try:
@@ -253,12 +258,18 @@ def run(size_gib: float, *, device: str = "auto", systems: tuple[str, ...] | lis
             steps = rows[system]["steps"]  # the same N for the systems after it
         except Exception as e:  # a peer missing from this torch, or failing: reported, not fatal
             rows[system] = {"system": system, "error": f"{type(e).__name__}: {e}"}
+        _summarize(result, steps)
+    return result
+
+
+def _summarize(result: dict[str, Any], steps: int | None) -> None:
+    """The run's figures from its rows so far: the loop, N, ratios between rows, notes."""
+    rows = result["systems"]
     _ratios(rows)
-    first = next((r for r in rows.values() if "error" not in r), {})
-    return {"kind": "training-stall", "size_gib": size_gib, "device": first.get("device"),
-            "state_bytes": first.get("state_bytes"), "model": first.get("model"), "step_s": first.get("step_s"),
-            "steps": steps, "torch": torch.__version__, "ckptstream": ckptstream.__version__, "systems": rows,
-            "notes": _outlasted(rows, steps)}
+    first: dict[str, Any] = next((r for r in rows.values() if "error" not in r), {})
+    result.update({"device": first.get("device"), "state_bytes": first.get("state_bytes"),
+                   "model": first.get("model"), "step_s": first.get("step_s"), "steps": steps,
+                   "notes": _outlasted(rows, steps)})
 
 
 def _ratios(rows: dict[str, dict[str, Any]]) -> None:

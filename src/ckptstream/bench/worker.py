@@ -86,7 +86,8 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     nbytes = state_nbytes(state)
     os.makedirs(job["dir"], exist_ok=True)
     path, shared = system.path(job["dir"], group.rank), not system.filename
-    variants = system.variants_on(job["device"])
+    wanted = job.get("variants") or [v.label for v in system.variants]  # --variants, or all
+    variants = tuple(v for v in system.variants_on(job["device"]) if v.label in wanted)
     variants = variants if job["all_variants"] else variants[:1]
     temps = ("cold", "hot") if job["hot"] else ("cold",)
     runs: dict[str, Any] = {"save": [], "loads": {v.label: {t: [] for t in temps} for v in variants}}
