@@ -73,6 +73,28 @@ EOF
     log "$(grep -c ': imports' "$OUT/setup.log") of 7 packages import (setup.log)"
 }
 
+# fastsafetensors opens the CUDA runtime as "libcudart.so", which a machine with only the
+# versioned library (torch's wheels, a runtime image) lacks: point it at the versioned one
+find_cudart() {
+    python3 -c 'import ctypes; ctypes.CDLL("libcudart.so")' 2>/dev/null && return
+    local lib
+    lib=$(python3 - <<'EOF'
+import glob, os, sys
+roots = ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"] + [
+    os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
+found = sorted(f for r in roots for f in glob.glob(os.path.join(r, "**", "libcudart.so.*"), recursive=True))
+print(found[-1] if found else "")
+EOF
+)
+    if [[ -z $lib ]]; then
+        log "no libcudart.so.* found: fastsafetensors will say it finds no GPU runtime"
+        return
+    fi
+    mkdir -p /tmp/cudart && ln -sf "$lib" /tmp/cudart/libcudart.so
+    export LD_LIBRARY_PATH="/tmp/cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    log "libcudart.so -> $lib (for fastsafetensors)"
+}
+
 gpu_tests() {
     log "GPU tests of the peers"
     until_deadline 75 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider -rs \
@@ -98,6 +120,7 @@ training() {
 }
 
 install_wheels
+find_cudart
 case $PART in
     all) gpu_tests; loads "$LOADS_END"; training ;;
     loads) loads $((END - 25)) ;;

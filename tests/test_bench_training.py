@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstream.bench import checkpointers, training
+from ckptstream import cli
+from ckptstream.bench import checkpointers, options, training
 from test_bench import run_until
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
@@ -194,3 +195,13 @@ def test_an_interrupted_training_run_reports_the_systems_it_measured(tmp_path: P
     assert result["notes"][-1].startswith("interrupted")
     assert "note: interrupted" in stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stall.json"]
+
+
+def test_repeat_is_the_number_of_checkpoints_per_system(tmp_path: Path) -> None:
+    def resolved(*args: str) -> options.Options:
+        return options.resolve_options(cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), *args]))
+
+    assert resolved("--training").repeat == 2
+    assert resolved("--training", "--repeat", "1", "--size-gib", "8").repeat == 1
+    assert resolved("--training", "--training-steps", "240").training_steps == 240
+    assert resolved("--size-gib", "8").repeat == 1  # loads: one run per figure for a large state
