@@ -8,6 +8,7 @@ the benchmark only when asked for, so these tests run with and without them inst
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import re
@@ -22,9 +23,10 @@ import pytest
 import torch
 
 from ckptstream import cli
-from ckptstream.bench import systems, training
+from ckptstream.bench import machine, options, report, systems, text, training
 from ckptstream.bench.state import StateSpec, build_state, flat_tensors
 from helpers import assert_bytes_equal, random_tensor
+from test_bench import _fabricated_raw
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
 
@@ -158,3 +160,29 @@ def test_variants_must_name_a_load_of_each_system(tmp_path: Path, capsys: pytest
     assert "leaves ['torch'] without a load to run" in run("--variants", "ckptstream load_into")
     assert "'torch mmap'" in run("--variants", "ckptstream load_into")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_targets_against_each_fast_loader_that_ran(tmp_path: Path) -> None:
+    opts = dataclasses.replace(options.resolve_options(cli.build_parser().parse_args(
+        ["bench", "--dir", str(tmp_path), "--size-gib", "8"])), device="cuda")
+    raw = _fabricated_raw(opts.spec.nbytes())
+    gb = opts.spec.nbytes() / 1e9  # seconds at 1 GB/s; ckptstream loads at 1.5 GB/s cold and 8 GB/s hot
+    peer = raw["systems"]["safetensors"][0]
+    fig = peer["runs"]["save"][0]
+    loads = {"cold": [dict(fig, seconds=gb / 2)], "hot": [dict(fig, seconds=gb / 4)]}
+    raw["systems"]["runai-streamer"] = [dict(peer, runs={"save": [], "loads": {"runai-streamer": loads}})]
+    raw["skipped"] = {"instanttensor": "instanttensor skipped: instanttensor is not installed"}
+    rep = report.build_report(opts, raw, machine.machine_description(str(tmp_path)))
+    judged = {t["target"]: (round(t["value"], 3), t["ok"]) for t in rep["targets"]}
+    assert judged["cold load speedup over runai-streamer"] == (0.75, False)
+    assert judged["hot load speedup over runai-streamer"] == (2.0, True)
+    assert not any("instanttensor" in t for t in judged)  # a peer that did not run has no target
+    row = next(r for r in rep["rows"] if r["label"] == "runai-streamer")
+    assert row["save"] is None
+    assert row["save_vs_ceiling"] is None
+    assert rep["speedups"]["runai-streamer"] == {"save": None, "cold": 0.75, "hot": 2.0}
+    printed = text.render_report(rep)
+    assert re.search(r"\nrunai-streamer +- +- +2\.00 ", printed)
+    assert re.search(r"\nvs runai-streamer +- +0\.75x +2\.00x\n", printed)
+    assert re.search(r"\ninstanttensor +not run( +-)+\n", printed)
+    assert "\ninstanttensor skipped: instanttensor is not installed\n" in printed

@@ -205,3 +205,15 @@ def test_repeat_is_the_number_of_checkpoints_per_system(tmp_path: Path) -> None:
     assert resolved("--training", "--repeat", "1", "--size-gib", "8").repeat == 1
     assert resolved("--training", "--training-steps", "240").training_steps == 240
     assert resolved("--size-gib", "8").repeat == 1  # loads: one run per figure for a large state
+
+
+def test_dcp_pinned_uses_torchtitans_staging_options() -> None:
+    staging = pytest.importorskip("torch.distributed.checkpoint.staging", reason="DCP's DefaultStager: torch 2.9+")
+    if not hasattr(staging, "DefaultStager"):
+        pytest.skip(f"torch {torch.__version__} has no DefaultStager (2.9 and later)")
+    stager = checkpointers._pinned_stager()
+    try:
+        cuda = torch.cuda.is_available()  # pinned memory and non-blocking copies need CUDA
+        assert stager._config == staging.StagingOptions(cuda, True, True, cuda)
+    finally:
+        stager.close()
