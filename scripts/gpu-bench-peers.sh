@@ -128,3 +128,7 @@ case $PART in
     *) echo "usage: $0 [all|loads|training]" >&2; exit 2 ;;
 esac
 log "done; results in $OUT"
+for table in "$OUT/table-8gib-peers.txt" "$OUT/table-stall-peers.txt"; do
+    [[ -s $table ]] && { echo; cat "$table"; }
+done
+exit 0

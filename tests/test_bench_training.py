@@ -217,3 +217,15 @@ def test_dcp_pinned_uses_torchtitans_staging_options() -> None:
         assert stager._config == staging.StagingOptions(cuda, True, True, cuda)
     finally:
         stager.close()
+
+
+def test_the_parts_add_up_over_several_checkpoints() -> None:
+    def run(lost: float, blocked: float, waited: float, inside: bool) -> dict[str, Any]:
+        return {"lost_s": lost, "blocked_s": blocked, "slowed_s": lost - blocked - waited, "waited_s": waited,
+                "ended_inside": inside, "durable_s": None}
+
+    row = training.medians([run(1.0, 0.9, 0.0, True), run(2.0, 0.1, 0.0, True), run(3.0, 0.5, 0.25, False)])
+    assert (row["lost_s"], row["blocked_s"], row["waited_s"]) == (2.0, 0.5, 0.0)
+    assert row["slowed_s"] == pytest.approx(1.5)  # the median of the slowed steps alone would be 1.9
+    assert row["ended_inside"] is False  # one write outlasted its loop
+    assert row["durable_s"] is None

@@ -51,7 +51,8 @@ import ckptstream
 
 from .checkpointers import ALL_SYSTEMS, OURS, PEER_SYSTEMS, SYSTEMS, Start, session
 
-__all__ = ["ALL_SYSTEMS", "OURS", "PEER_SYSTEMS", "SYSTEMS", "Loop", "measure", "render", "run"]
+__all__ = ["ALL_SYSTEMS", "OURS", "PEER_SYSTEMS", "SYSTEMS", "Loop", "auto_steps", "measure", "medians", "render",
+           "run"]
 WARMUP_STEPS, BASELINE_STEPS = 3, 8
 MIN_STEPS = 8
 # The automatic N covers a write of the state at this rate, below every way to checkpoint measured
@@ -227,9 +228,19 @@ def measure(system: str, size_gib: float, *, device: str = "auto", directory: st
                            "steps": chosen, "checkpoints": checkpoints, "state_bytes": state_bytes,
                            "model": {"d_model": loop.d, "layers": loop.layers, "tokens": loop.tokens},
                            "staging_bytes": cfg.buffer_size * cfg.num_buffers}
+    out.update(medians(runs))
+    return out
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the checkpoints (whether every write ended inside the loop); the
+    slowed steps are what the median lost time leaves after the other parts' medians, so that
+    the parts still add up."""
+    out: dict[str, Any] = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
         out[key] = (all(values) if key == "ended_inside" else statistics.median(values)) if values else None
+    out["slowed_s"] = out["lost_s"] - out["blocked_s"] - out["waited_s"]
     return out
 
 
