@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,7 +137,10 @@ def test_ranks_2_quick_with_gloo_and_a_missing_peer(tmp_path: Path) -> None:
                        "--tensors", "16", "--tensor-kib", "64", env=without_safetensors(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert any("safetensors skipped" in note and "not installed" in note for note in data["notes"])
-    assert "note: safetensors skipped" in proc.stdout
+    assert set(data["not_run"]) == {"safetensors"}
+    assert "safetensors skipped: safetensors.torch is not installed" in data["not_run"]["safetensors"]
+    assert re.search(r"\nsafetensors +not run( +-)+\n", proc.stdout)  # its row in the table
+    assert f"\n{data['not_run']['safetensors']}\n" in proc.stdout  # and why, under the table
     assert data["mode"] == "ranks"
     assert data["state"]["ranks"] == 2
     assert [row["label"] for row in data["rows"]] == ["ckptstream", "dcp"]
@@ -518,3 +522,36 @@ def test_the_benchmark_modules_import_one_way() -> None:
 
     for module in graph:
         visit(module, ())
+
+
+def run_until(argv: list[str], line: str, sig: signal.Signals = signal.SIGINT) -> tuple[int, str, str]:
+    """Run a command in a process group of its own, send the group ``sig`` once ``line`` shows on
+    the command's stderr (as Ctrl-C in a terminal does), and wait for it to end."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: list[str] = []
+    assert proc.stderr is not None
+    for got in proc.stderr:
+        seen.append(got)
+        if line in got:
+            os.killpg(proc.pid, sig)
+            break
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, "".join(seen) + err
+
+
+def test_an_interrupted_run_reports_the_systems_it_measured(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    work.mkdir()
+    rc, stdout, stderr = run_until([sys.executable, "-m", "ckptstream.cli", "bench", "--quick", "--dir", str(work),
+                                    "--json", str(out), "--systems", "ckptstream", "torch", "--hot-runs", "1",
+                                    "--variants", "ckptstream", "torch"], "[3/3] torch")
+    assert rc == 130, stderr
+    data = json.loads(out.read_text())
+    assert [row["label"] for row in data["rows"]] == ["ckptstream"]
+    assert "torch" not in data["raw"]["systems"]
+    assert data["not_run"] == {"torch": "torch skipped: the run was interrupted before it finished"}
+    assert re.search(r"\ntorch +not run( +-)+\n", stdout)
+    assert data["notes"][-1].startswith("interrupted")
+    assert "interrupted: the run stopped after the systems above" in stdout
+    assert "ckptstream bench: interrupted; temporary files removed" in stderr
+    assert list(work.iterdir()) == []

@@ -1,8 +1,10 @@
 """``ckptstream bench``: the raw disk and copy ceilings, the peers (torch.save, safetensors,
-torch.distributed.checkpoint) and ckptstream, measured side by side on the same state in one run.
+torch.distributed.checkpoint, and the fast loaders of the ``bench-peers`` extra) and ckptstream,
+measured side by side on the same state in one run.
 
 Modules: ``options`` the command line, ``state`` builds the GPT-like (or many-small-tensors)
-state, ``systems`` says how each system saves and loads, ``runner`` starts a worker process per
+state, ``systems`` says how each system saves and loads (``peers`` for the fast loaders),
+``training`` and ``checkpointers`` the stall benchmark, ``runner`` starts a worker process per
 job and cleans up, ``worker`` is that process (``job`` what it is handed), measuring a system,
 the raw rates (``ceilings``) or the staging sweep (``sweep``); ``measure`` and ``cache`` time a
 phase and make loads cold, ``multirank`` runs several ranks at once; ``report``, ``text`` and
@@ -25,8 +27,25 @@ from .state import StateSpec
 __all__ = ["BenchError", "add_arguments", "run"]
 
 
+INTERRUPTED = "interrupted: the run stopped after the systems above"
+
+
 def _run_bench(opts: Options) -> int:
-    raw = runner.run_all(opts)
+    raw: dict[str, Any] = {}
+    try:
+        runner.run_all(opts, raw)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: report what was measured, then stop
+        if raw.get("systems"):
+            raw["notes"].append(INTERRUPTED)
+            done = {*raw["systems"], *raw["skipped"], *raw["failed"]}
+            raw["skipped"].update({name: f"{name} skipped: the run was interrupted before it finished"
+                                   for name in opts.systems if name not in done})
+            _report_bench(opts, raw)
+        raise
+    return _report_bench(opts, raw)
+
+
+def _report_bench(opts: Options, raw: dict[str, Any]) -> int:
     rep = report.build_report(opts, raw, machine_description(opts.dir))
     print(text.render_report(rep), flush=True)
     _outputs(opts, rep, plot.plot_report)
@@ -58,11 +77,25 @@ def _run_sweep(opts: Options) -> int:
 def _run_training(opts: Options) -> int:
     from . import training
 
-    unknown = sorted(set(opts.training_systems or ()) - set(training.SYSTEMS))
+    unknown = sorted(set(opts.training_systems or ()) - set(training.ALL_SYSTEMS))
     if unknown:
-        raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.SYSTEMS)}")
-    result = training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
-                          directory=opts.dir, checkpoints=max(2, opts.repeat), progress=runner.progress)
+        raise BenchError(f"unknown training system(s) {unknown}; known: {list(training.ALL_SYSTEMS)}")
+    result: dict[str, Any] = {}
+    try:
+        training.run(opts.spec.size_bytes / 2**30, device=opts.device, systems=opts.training_systems,
+                     directory=opts.dir, checkpoints=opts.repeat, steps=opts.training_steps,
+                     progress=runner.progress, into=result)
+    except (KeyboardInterrupt, SystemExit):  # report the systems measured, then stop
+        if any("error" not in row for row in result.get("systems", {}).values()):
+            result["notes"].append(INTERRUPTED)
+            _report_training(opts, result)
+        raise
+    return _report_training(opts, result)
+
+
+def _report_training(opts: Options, result: dict[str, Any]) -> int:
+    from . import training
+
     print(training.render(result), flush=True)
     full = {"schema": 1, "mode": "training", "device": opts.device, "training": result,
             "machine": machine_description(opts.dir)}

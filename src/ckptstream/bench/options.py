@@ -53,10 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tensors", type=int, default=0, metavar="N", help="instead: N small fp32 tensors of --tensor-kib each")
     add("--tensor-kib", type=int, default=1, metavar="K", help="size of each of the --tensors (default 1 KiB)")
     add("--repeat", type=int,
-        help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep)")
+        help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep; "
+             "with --training: checkpoints per system, default 2)")
     add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
     add("--systems", nargs="+", metavar="NAME",
         help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)}; with --ranks also dcp-stream)")
+    add("--variants", nargs="+", metavar="LABEL",
+        help="only these load variants of the systems run, by their row label (e.g. ckptstream; default: all)")
     add("--json", metavar="FILE", help="write every figure and the machine's description as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: pip install 'ckptstream[bench]')")
     add("--quick", action="store_true", help="tiny state, one run, one thread count: seconds, for CI")
@@ -68,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--hot-threads", type=_ints,
         help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
     add("--seed", type=int, default=0, help="seed of the random state")
+    add("--hot-runs", type=_positive, metavar="N",
+        help="hot loads per load variant, the median reported (default 9; spread over the --repeat runs)")
     staging = parser.add_argument_group(
         "ckptstream's settings in this run (default: the library's, or CKPTSTREAM_* variables)")
     staging.add_argument("--buffer-mib", type=_positive, metavar="M", help="MiB per staging buffer (buffer_size)")
@@ -80,7 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "peak RSS, time until durable")
     training.add_argument("--training-systems", nargs="+", metavar="NAME",
                           help="of sync, device, lazy, host, torch.save+thread, dcp.async_save, "
-                               "dcp.async_save+pinned (default: all)")
+                               "dcp.async_save+pinned (the default: these), nvrx.async_save "
+                               "(nvidia-resiliency-ext, when named)")
+    training.add_argument("--training-steps", type=_positive, metavar="N",
+                          help="steps timed with and without one checkpoint, per system (default: enough "
+                               "for the state written at 0.4 GB/s, from the first system's step time)")
     sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
     sweep.add_argument("--sweep", action="store_true",
                        help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
@@ -112,6 +121,9 @@ class Options:
     staging: dict[str, int]  # ckptstream settings given on the command line
     training: bool = False
     training_systems: tuple[str, ...] | None = None
+    training_steps: int | None = None
+    hot_runs: int | None = None  # None: the worker's default
+    variants: tuple[str, ...] = ()  # load variants to run, by label; () for all
 
     @property
     def total_bytes(self) -> int:
@@ -143,6 +155,22 @@ def _systems(given: list[str] | None, ranks: int) -> tuple[str, ...]:
     if unknown:
         raise BenchError(f"unknown system(s) {unknown}; known: {sorted(SYSTEMS)}")
     return tuple(dict.fromkeys(names))
+
+
+def _variants(given: list[str] | None, systems: tuple[str, ...]) -> tuple[str, ...]:
+    """The load variants asked for; each must be one of the chosen systems', and each system keeps one."""
+    if not given:
+        return ()
+    labels = {name: [v.label for v in SYSTEMS[name].variants] for name in systems}
+    unknown = sorted(set(given) - {label for found in labels.values() for label in found})
+    if unknown:
+        raise BenchError(f"--variants: unknown load variant(s) {unknown} of the systems {list(systems)}; known: "
+                         f"{[label for found in labels.values() for label in found]}")
+    empty = [name for name, found in labels.items() if not set(found) & set(given)]
+    if empty:
+        raise BenchError(f"--variants leaves {empty} without a load to run: name one of each system's "
+                         f"({ {name: labels[name] for name in empty} })")
+    return tuple(dict.fromkeys(given))
 
 
 def _staging(args: argparse.Namespace) -> dict[str, int]:
@@ -179,7 +207,10 @@ def resolve_options(args: argparse.Namespace) -> Options:
         if torch.cuda.device_count() < args.ranks:
             raise BenchError(f"--ranks {args.ranks} needs one GPU per rank; {torch.cuda.device_count()} visible")
     # one run per figure where runs are long: big states, and the sweep's dozens of configurations
-    repeat = args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
+    if args.training:
+        repeat = args.repeat or 2  # checkpoints per system, each with its own run without one
+    else:
+        repeat = args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
     if repeat < 1:
         raise BenchError(f"--repeat must be >= 1, got {repeat}")
     if not os.path.isdir(args.dir):
@@ -193,6 +224,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
         "buffer_mib": args.sweep_buffer_mib, "num_buffers": args.sweep_num_buffers,
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
-    return Options(device, spec, repeat, os.path.abspath(args.dir), _systems(args.systems, args.ranks), args.json,
+    systems = _systems(args.systems, args.ranks)
+    return Options(device, spec, repeat, os.path.abspath(args.dir), systems, args.json,
                    args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
-                   _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None)
+                   _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None,
+                   args.training_steps, args.hot_runs, _variants(args.variants, systems))

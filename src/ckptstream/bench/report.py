@@ -9,7 +9,7 @@ from typing import Any
 
 from . import cache
 from .options import Options
-from .systems import PEERS
+from .systems import LOAD_PEERS, PEERS
 
 Fig = dict[str, Any]
 # The targets are set for the GPU machine the library is built for, with the GPT-like state; on
@@ -71,7 +71,8 @@ def system_rows(systems: dict[str, list[dict[str, Any]]], ceilings: dict[str, An
     rows = []
     for name, results in systems.items():
         total = sum(r["bytes"] for r in results)
-        save = phase_figure([r["runs"]["save"] for r in results], total)
+        # a load-only system (a peer loader) wrote its file untimed: no save figure
+        save = phase_figure([r["runs"]["save"] for r in results], total) if results[0]["runs"]["save"] else None
         for i, label in enumerate(results[0]["runs"]["loads"]):
             loads = {t: phase_figure([r["runs"]["loads"][label][t] for r in results], total)
                      for t in results[0]["runs"]["loads"][label]}
@@ -126,6 +127,14 @@ def _dcp_targets(rows: list[dict[str, Any]]) -> list[tuple[str, float | None, fl
     ]
 
 
+def _load_peer_targets(rows: list[dict[str, Any]], ups: dict[str, dict[str, float | None]]
+                       ) -> list[tuple[str, float | None, float]]:
+    """Loads at least as fast as each fast loader that ran, cold and hot."""
+    ran = [row["label"] for row in rows if row["system"] in LOAD_PEERS]
+    return [(f"{temp} load speedup over {label}", ups.get(label, {}).get(temp), 1.0)
+            for label in ran for temp in ("cold", "hot")]
+
+
 def verify_cost(rows: list[dict[str, Any]]) -> float | None:
     """1 - (hot load with checksums verified) / (hot load without): the cost of verifying."""
     hot = {row["label"]: row["hot"] for row in rows}
@@ -167,6 +176,7 @@ def targets(rows: list[dict[str, Any]], ranks: int, kind: str, device: str) -> l
         out += [("cold load / read ceiling", ours["cold_vs_ceiling"], 0.9)]
         out += [(f"cold load speedup over {p}", ups.get(p, {}).get("cold"), 1.0)
                 for p in ("torch", "safetensors", "dcp")]
+        out += _load_peer_targets(rows, ups)
         out += [("hot load / hot read ceiling", ours["hot_vs_ceiling"], 0.6)]
         out += [("share of hot load speed that verifying costs", verify_cost(rows), -0.10)]
     # a negative bound is an upper bound (RSS must stay below it)
@@ -202,7 +212,8 @@ def build_report(opts: Options, raw: dict[str, Any], machine_info: dict[str, Any
         "verify_noise": verify_noise(rows),
         "dcp_backend_speedups": dcp_backend_speedups(rows),
         "targets": found, "targets_set_for": TARGETS_SET_FOR[mode] if found else None,
-        "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info, "raw": raw,
+        "not_run": raw.get("skipped", {}), "notes": raw["notes"], "failed": raw["failed"], "machine": machine_info,
+        "raw": raw,
     }
 
 

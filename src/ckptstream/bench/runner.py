@@ -51,15 +51,17 @@ def check_resources(opts: Options, nbytes: int) -> None:
                  "lower --size-gib if a process is killed")
 
 
-def runnable_systems(opts: Options, notes: list[str]) -> list[str]:
-    """The systems that can run here; each one that cannot gets a note instead."""
+def runnable_systems(opts: Options, notes: list[str], skipped: dict[str, str]) -> list[str]:
+    """The systems that can run here; each one that cannot gets a note, and its reason in ``skipped``
+    (the report lists it as not run)."""
     names = []
     for name in opts.systems:
-        reason = unavailable(name)
+        reason = unavailable(name, opts.device)
         if reason is None:
             names.append(name)
         else:
             notes.append(reason)
+            skipped[name] = reason
     return names
 
 
@@ -148,6 +150,7 @@ def base_job(opts: Options, kind: str, work: str, cold: cache.Cold) -> dict[str,
         "dir": os.path.join(work, kind), "threads": list(opts.threads),
         "hot_threads": [] if opts.ranks > 1 else list(opts.hot_threads),
         "hot": opts.ranks == 1, "all_variants": opts.ranks == 1, "sweep_axes": opts.sweep_axes, "staging": opts.staging,
+        "hot_runs": opts.hot_runs, "variants": list(opts.variants),
     }
 
 
@@ -163,19 +166,22 @@ def _merge_ceilings(before: list[dict[str, Any]] | None, after: list[dict[str, A
     return before
 
 
-def run_all(opts: Options) -> dict[str, Any]:
-    """Ceilings, then each system, each in its own process(es). Returns the raw results."""
+def run_all(opts: Options, raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ceilings, then each system, each in its own process(es). Returns the raw results, filled
+    into ``raw`` as they come in (an interrupted run keeps what it measured)."""
     nbytes = opts.total_bytes
     check_resources(opts, nbytes)
     cold = cache.cold_method(opts.cold, gentle=opts.quick)
     notes: list[str] = []
-    names = runnable_systems(opts, notes)
+    skipped: dict[str, str] = {}
+    names = runnable_systems(opts, notes, skipped)
     for note in notes:
         progress(note)
     if machine.mount_of(opts.dir)["fs_type"] in ("tmpfs", "ramfs"):
         fs_type = machine.mount_of(opts.dir)["fs_type"]
         notes.append(f"{opts.dir} is in memory ({fs_type}): the 'disk' figures measure RAM")
-    raw: dict[str, Any] = {"cold_method": cold.value, "notes": notes, "systems": {}, "failed": {}}
+    raw = {} if raw is None else raw
+    raw.update({"cold_method": cold.value, "notes": notes, "skipped": skipped, "systems": {}, "failed": {}})
     who = f"{opts.ranks} ranks x " if opts.ranks > 1 else ""
     progress(f"{who}{opts.spec.summary()} on {opts.device}, {opts.repeat} run(s) per figure, in {opts.dir}")
     with workspace(opts) as work:
@@ -192,10 +198,11 @@ def run_all(opts: Options) -> dict[str, Any]:
             if error:
                 progress(f"{name or kind} failed: {error}")
                 raw["failed"][name or kind] = error
-            skipped = next((r["skipped"] for r in results if "skipped" in r), None)
-            if skipped:
-                progress(skipped)
-                notes.append(skipped)
+            reason = next((r["skipped"] for r in results if "skipped" in r), None)
+            if reason:
+                progress(reason)
+                notes.append(reason)
+                skipped[name or kind] = reason
             elif kind == "ceilings":
                 raw["ceilings"] = _merge_ceilings(raw.get("ceilings"), results)
             elif not error:

@@ -3,9 +3,11 @@
 A load variant either returns a new state (``in_place=False``: it gets the saved state only to
 know shapes) or fills a preallocated one (``in_place=True``: the benchmark allocates the target
 before the clock starts, as a training job that already holds its model would). A variant that
-loads to some devices only (``devices``) is not run, nor listed, on the others. ``prepare``
-(of a system, for its saves; of a variant, for its targets) turns a state into the form the
-system takes before the clock starts: DCP's users hold their state as DTensors already.
+loads to some devices only (``devices``) is not run on the others; a system with no variant for
+the device is listed as not run, with ``devices_note`` as the reason. ``prepare`` (of a system,
+for its saves; of a variant, for its targets) turns a state into the form the system takes
+before the clock starts: DCP's users hold their state as DTensors already. A load-only system
+(``timed_save=False``: the peers of ``peers.py``) writes its file once, before the clock.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 import ckptstream
 
+from . import peers
 from .measure import quiet_warnings
 from .state import State, empty_like_state, flat_tensors, iter_tensors
 
@@ -51,6 +54,8 @@ class System:
     save: Save
     variants: tuple[Variant, ...]
     prepare: Prepare = _as_it_is  # the state, before the clock
+    timed_save: bool = True  # False: ``save`` writes the file to load, once and untimed (no save figure)
+    devices_note: str = ""  # why it does not run on a device that none of its variants loads to
 
     def variants_on(self, device: str) -> tuple[Variant, ...]:
         """The load variants that run on ``device`` ("cpu", "cuda", "cuda:1")."""
@@ -226,9 +231,27 @@ SYSTEMS: dict[str, System] = {
                _dcp_state),
     )
 }
+SYSTEMS.update({
+    s.name: s
+    for s in (
+        System("fastsafetensors", "fastsafetensors", "safetensors", peers.write_safetensors,
+               (Variant("fastsafetensors", peers.fastsafetensors_load),), timed_save=False),
+        System("instanttensor", "instanttensor", "safetensors", peers.write_safetensors,
+               (Variant("instanttensor", peers.instanttensor_loader(buffered=False), devices=("cuda",)),
+                Variant("instanttensor buffered", peers.instanttensor_loader(buffered=True), devices=("cuda",))),
+               timed_save=False, devices_note="InstantTensor loads into CUDA devices only (its safe_open refuses "
+                                              "any other device)"),
+        System("runai-streamer", "runai_model_streamer", "safetensors", peers.write_safetensors,
+               (Variant("runai-streamer", peers.runai_load),), timed_save=False),
+        System("tensorizer", "tensorizer", "tensors", peers.tensorizer_save,
+               (Variant("tensorizer", peers.tensorizer_load),), timed_save=False),
+    )
+})
 DEFAULT = ("ckptstream", "torch", "safetensors", "dcp")
 DEFAULT_RANKS = (*DEFAULT, "dcp-stream")  # several ranks: DCP's own storage against ckptstream's
-PEERS = ("torch", "safetensors", "dcp")
+# the fast loaders of the ``bench-peers`` extra: run when named (--systems), each its own package
+LOAD_PEERS = ("fastsafetensors", "instanttensor", "runai-streamer", "tensorizer")
+PEERS = ("torch", "safetensors", "dcp", *LOAD_PEERS)
 
 
 def not_installed(name: str, error: BaseException | None = None) -> str:
@@ -236,10 +259,12 @@ def not_installed(name: str, error: BaseException | None = None) -> str:
     return f"{name} skipped: {SYSTEMS[name].module} is not installed{detail}"
 
 
-def unavailable(name: str) -> str | None:
-    """Why system ``name`` cannot run here, or None when it seems it can. Only looks the module
-    up (importing DCP takes seconds); the worker imports it and reports a failing import."""
+def unavailable(name: str, device: str) -> str | None:
+    """Why system ``name`` cannot run here on ``device``, or None when it seems it can. Only looks
+    the module up (importing DCP takes seconds); the worker imports it and reports a failing import."""
     system = SYSTEMS[name]
+    if not system.variants_on(device):
+        return f"{name} skipped: {system.devices_note or f'it has no load to {device}'}"
     try:
         if importlib.util.find_spec(system.module) is None:
             return not_installed(name)

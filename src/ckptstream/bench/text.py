@@ -76,7 +76,13 @@ def _rows(report: dict[str, Any]) -> list[str]:
                      _rss([cold_fig, hot], "rss_per_process"), format_bytes(staging) if staging else "-"]
             line += [_secs(save), _secs(cold_fig), _secs(hot)] if small else []
         lines.append(line)
+    # a system that could not run here keeps its row; the reason is printed under the table
+    lines += [[name, "not run"] + ["-"] * (len(headers) - 2) for name in report.get("not_run", {})]
     return table(headers, lines) if lines else ["(no system ran)"]
+
+
+def _not_run(report: dict[str, Any]) -> list[str]:
+    return list(report.get("not_run", {}).values())
 
 
 def _speedups(report: dict[str, Any]) -> list[str]:
@@ -115,7 +121,7 @@ def _verify_line(cost: float, noise: float | None) -> str:
 
 def render_report(report: dict[str, Any]) -> str:
     """The report as printed on stdout."""
-    out = _header(report) + _rows(report) + _speedups(report)
+    out = _header(report) + _rows(report) + _not_run(report) + _speedups(report)
     if report.get("verify_cost") is not None:
         out += ["", _verify_line(report["verify_cost"], report.get("verify_noise"))]
     dcp = {p: r for p, r in report.get("dcp_backend_speedups", {}).items() if r}
@@ -123,6 +129,6 @@ def render_report(report: dict[str, Any]) -> str:
         out += ["", "DCP with ckptstream's StreamWriter / StreamReader over DCP's own storage: "
                     + ", ".join(f"{p} {r:.2f}x" for p, r in dcp.items())]
     out += _targets(report)
-    out += [f"note: {note}" for note in report["notes"]]
+    out += [f"note: {note}" for note in report["notes"] if note not in report.get("not_run", {}).values()]
     out += [f"FAILED: {what}: {error}" for what, error in report["failed"].items()]
     return "\n".join(out)

@@ -2,19 +2,25 @@
 
 A GPT-like loop (bf16 weights, fp32 master weights and AdamW on the GPU; fp32 on the CPU) sized
 so that its state (weights, master weights, both moments) is ``size_gib``. For each system, in a
-process of its own: the median step time without checkpoints, then a few checkpoints taken at a
-step boundary while training goes on, each measured for
+process of its own, per checkpoint: the wall time of N training steps without a checkpoint, then
+of the same N steps with one checkpoint taken at the first step boundary, the wait for the file
+to be durable after the last step included. N is the same for every system of a run, chosen so
+that the slowest write ends inside the loop (each row says whether it did). Per checkpoint:
 
-    blocked   time the loop spends inside the save call and waiting before the next update
+    lost      training time lost: the N steps with the checkpoint minus the N steps without; the sum of
+    blocked   time the loop spends inside the save call and waiting before its next updates
+    slowed    the steps' extra time while the save runs beside them (lost - blocked - waited)
+    waited    the wait at the end for the file to be durable (0 when the write ended inside the loop)
     stall     how much longer the step that takes the checkpoint is than a plain step
     slowdown  median step time while the save is in flight, over the plain step time, minus 1
     GPU       extra GPU memory at the peak of the checkpoint (allocated by torch)
     RSS       peak host RSS over the process's before the checkpoint
     durable   seconds from the call until the checkpoint is on disk (fsynced)
 
-Systems: ckptstream.save (sync), save_async in "device", "lazy" and "host" modes, torch.save in a
-background thread after a CPU copy, DCP async_save with its default stager, and DCP async_save
-with pinned memory and asynchronous staging.
+Systems (``checkpointers.py``): ckptstream.save (sync), save_async in "device", "lazy" and "host"
+modes, torch.save in a background thread after a CPU copy, DCP async_save with its default
+stager and with torchtitan's pinned-memory stager; nvidia-resiliency-ext's async torch.save when
+named.
 
     python -m ckptstream.bench.training --size-gib 8 --json stall.json
     result = training.run(8.0); print(training.render(result))      # from code
@@ -24,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -43,10 +49,18 @@ from torch import nn
 
 import ckptstream
 
-SYSTEMS = ("sync", "device", "lazy", "host", "torch.save+thread", "dcp.async_save", "dcp.async_save+pinned")
-OURS = ("device", "lazy", "host")
-BASELINE_STEPS, WARMUP_STEPS = 8, 3
+from .checkpointers import ALL_SYSTEMS, OURS, PEER_SYSTEMS, SYSTEMS, Start, session
+
+__all__ = ["ALL_SYSTEMS", "OURS", "PEER_SYSTEMS", "SYSTEMS", "Loop", "auto_steps", "measure", "medians", "render",
+           "run"]
+WARMUP_STEPS, BASELINE_STEPS = 3, 8
+MIN_STEPS = 8
+# The automatic N covers a write of the state at this rate, below every way to checkpoint measured
+# on the GPU machine (DCP's default async_save wrote at about 0.5 GB/s).
+AUTO_WRITE_RATE = 0.4e9
 MiB, GiB = 1 << 20, 1 << 30
+_clock = time.perf_counter  # the checkpointers' ``durable_at`` readings are on the same clock
+RATIOS_TO = ("dcp.async_save+pinned", "nvrx.async_save")  # the lost time of each row is compared with these
 
 
 class Loop:
@@ -76,7 +90,7 @@ class Loop:
     def step(self, gate: Callable[[], None] | None = None) -> float:
         """One training step, its wall time (the GPU's work included); ``gate`` runs before the
         update (where a lazy save must be staged)."""
-        start = time.perf_counter()
+        start = _clock()
         x = self.wte(self.idx)
         for block in self.blocks:
             x = x + block(x)
@@ -86,9 +100,9 @@ class Loop:
                 m.grad, p.grad = p.grad.float(), None  # type: ignore[union-attr]
         self.gate_s = 0.0
         if gate is not None:
-            before = time.perf_counter()
+            before = _clock()
             gate()
-            self.gate_s = time.perf_counter() - before
+            self.gate_s = _clock() - before
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.master is not None:
@@ -97,7 +111,7 @@ class Loop:
                     p.copy_(m)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return _clock() - start
 
     def state(self) -> dict[str, torch.Tensor]:
         """The training state as a flat dict of the live tensors (the same for every system)."""
@@ -108,99 +122,6 @@ class Loop:
             for k in ("exp_avg", "exp_avg_sq"):
                 out[f"{k}.{i}"] = self.opt.state[p][k]
         return out
-
-
-class Job:
-    """A checkpoint in flight: ``gate`` before the next update, ``done``, and when it was durable
-    (``durable_at``: a ``time.perf_counter()`` reading, asked once ``finish`` returned)."""
-
-    def __init__(self, done: Callable[[], bool], durable_at: Callable[[], float | None],
-                 gate: Callable[[], None] | None = None, finish: Callable[[], Any] = lambda: None) -> None:
-        self.done, self.durable_at, self.gate, self.finish = done, durable_at, gate, finish
-
-
-def _thread_job(work: Callable[[], None]) -> Job:
-    ended: list[float] = [0.0]
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as e:
-            error.append(e)
-        ended[0] = time.perf_counter()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def finish() -> None:
-        thread.join()
-        if error:
-            raise error[0]
-
-    return Job(lambda: not thread.is_alive(), lambda: ended[0], finish=finish)
-
-
-def _torch_save(state: dict[str, torch.Tensor], path: str) -> Job:
-    cpu = {k: v.detach().cpu() for k, v in state.items()}  # the copy the peers make first
-
-    def write() -> None:
-        with open(path, "wb") as f:
-            torch.save(cpu, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    return _thread_job(write)
-
-
-def _dcp(state: dict[str, torch.Tensor], path: str, pinned: bool) -> Job:
-    from torch.distributed.checkpoint.state_dict_saver import async_save
-
-    ended, recorded = [0.0], threading.Event()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's stager: no pinned memory without CUDA
-        if pinned:
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError as e:
-                raise ImportError(f"dcp.async_save+pinned needs torch 2.9 or later (DCP's DefaultStager); this is "
-                                  f"torch {torch.__version__}") from e
-
-            cuda = torch.cuda.is_available()
-            stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                  use_async_staging=True, use_non_blocking_copy=cuda))
-            response: Any = async_save(state, checkpoint_id=path, async_stager=stager)
-            upload, staging = response.upload_completion, response.staging_completion
-        else:
-            upload, staging = async_save(state, checkpoint_id=path), None
-    def durable(_: Any) -> None:
-        ended[0] = time.perf_counter()
-        recorded.set()
-
-    upload.add_done_callback(durable)  # callbacks may run after result() returns: wait for it
-    gate = (lambda: staging.result()) if staging is not None else None
-    return Job(upload.done, lambda: ended[0] if recorded.wait() else None, gate, upload.result)
-
-
-def start(system: str, state: dict[str, torch.Tensor], path: str) -> Job:
-    """Start checkpoint ``system`` of ``state`` at ``path`` (a file, or a folder for DCP)."""
-    if system == "sync":
-        ckptstream.save(state, path)
-        durable = time.perf_counter()
-        return Job(lambda: True, lambda: durable)
-    if system in OURS:
-        began = time.perf_counter()
-        h = ckptstream.save_async(state, path, mode=system)
-
-        def durable_at() -> float | None:
-            return None if h.seconds_to_durable is None else began + h.seconds_to_durable
-
-        return Job(h.done, durable_at, h.wait_staged, h.result)
-    if system == "torch.save+thread":
-        return _torch_save(state, path)
-    if system.startswith("dcp.async_save"):
-        return _dcp(state, path, pinned=system.endswith("+pinned"))
-    raise ValueError(f"unknown system {system!r}; known: {list(SYSTEMS)}")
 
 
 def _rss() -> int:
@@ -227,94 +148,170 @@ def _peak_rss() -> Iterator[list[int]]:
         found[1] = max(found[1], _rss())
 
 
-def _checkpoint(system: str, loop: Loop, path: str, base_step: float, max_steps: int) -> dict[str, Any]:
+def auto_steps(state_bytes: int, step_s: float) -> int:
+    """N steps that outlast a write of the state at AUTO_WRITE_RATE."""
+    return max(MIN_STEPS, math.ceil(state_bytes / AUTO_WRITE_RATE / step_s))
+
+
+def _plain(loop: Loop, steps: int) -> tuple[float, list[float]]:
+    """Wall time of ``steps`` plain steps, and each step's time. The RSS sampler runs here too, so
+    that the runs with and without a checkpoint carry the same measuring."""
+    with _peak_rss():
+        began = _clock()
+        times = [loop.step() for _ in range(steps)]
+        return _clock() - began, times
+
+
+def _checkpoint(begin: Start, loop: Loop, path: str, steps: int, without_s: float,
+                base_step: float) -> dict[str, Any]:
+    """The same ``steps`` steps with one checkpoint started before the first, and its figures."""
     cuda = loop.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     gpu_before = torch.cuda.memory_allocated() if cuda else 0
     with _peak_rss() as rss:
-        began = time.perf_counter()
-        job = start(system, loop.state(), path)
-        called = time.perf_counter() - began
-        first = called + loop.step(job.gate)
-        blocked = called + loop.gate_s
-        during: list[float] = []
-        while not job.done() and len(during) < max_steps:
-            during.append(loop.step(job.gate))
+        began = _clock()
+        job = begin(loop.state(), path)
+        called = _clock() - began
+        gated, times, flying = 0.0, [], []
+        for _ in range(steps):
+            in_flight = not job.done()
+            times.append(loop.step(job.gate if in_flight else None))
+            gated += loop.gate_s
+            flying.append(in_flight)
+        loop_end = _clock()
         job.finish()
+        ended = _clock()
     durable_at = job.durable_at()
-    durable = None if durable_at is None else durable_at - began
-    return {"blocked_s": blocked, "stall_s": max(0.0, first - base_step), "durable_s": durable,
+    lost, waited, blocked = (ended - began) - without_s, ended - loop_end, called + gated
+    during = [t for t, f in zip(times[1:], flying[1:], strict=True) if f]  # the first step holds the stall
+    return {"lost_s": lost, "blocked_s": blocked, "slowed_s": lost - blocked - waited, "waited_s": waited,
+            "stall_s": max(0.0, called + times[0] - base_step),
+            "durable_s": None if durable_at is None else durable_at - began,
+            "ended_inside": None if durable_at is None else durable_at <= loop_end,
             "slowdown": statistics.median(during) / base_step - 1 if during else None, "steps_in_flight": len(during),
             "extra_gpu_bytes": torch.cuda.max_memory_allocated() - gpu_before if cuda else 0,
             "peak_rss_bytes": rss[1] - rss[0]}
 
 
+def _device(device: str) -> torch.device:
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def measure(system: str, size_gib: float, *, device: str = "auto", directory: str | None = None,
-            checkpoints: int = 2, max_steps: int = 10_000) -> dict[str, Any]:
-    """Measure one system in this process (see the module); a JSON-able dict."""
-    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+            checkpoints: int = 2, steps: int | None = None) -> dict[str, Any]:
+    """Measure one system in this process (see the module); a JSON-able dict. ``steps`` None:
+    ``auto_steps`` from this process's plain step time."""
+    dev = _device(device)
     loop = Loop(int(size_gib * GiB), dev)
-    if system.startswith("dcp"):  # its import is not part of a checkpoint
-        importlib.import_module("torch.distributed.checkpoint.state_dict_saver")
     for _ in range(WARMUP_STEPS):
         loop.step()
-    base_step = statistics.median(loop.step() for _ in range(BASELINE_STEPS))
+    state_bytes = sum(t.numel() * t.element_size() for t in loop.state().values())  # AdamW's moments exist now
+    chosen = steps or auto_steps(state_bytes, statistics.median(loop.step() for _ in range(BASELINE_STEPS)))
     work = tempfile.mkdtemp(prefix="ckptstream-stall-", dir=directory)
-    runs = []
+    runs, plain = [], []
     try:
-        for i in range(checkpoints):
-            path = os.path.join(work, f"ckpt-{i}")
-            runs.append(_checkpoint(system, loop, path, base_step, max_steps))
-            if os.path.isdir(path):  # DCP writes a folder
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+        with session(system, dev) as begin:
+            for i in range(checkpoints):
+                without_s, times = _plain(loop, chosen)
+                plain += times
+                path = os.path.join(work, f"ckpt-{i}")
+                runs.append(_checkpoint(begin, loop, path, chosen, without_s, statistics.median(times)))
+                if os.path.isdir(path):  # DCP writes a folder
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cfg = ckptstream.current_settings()
-    out: dict[str, Any] = {"system": system, "device": str(dev), "step_s": base_step, "checkpoints": checkpoints,
-                           "state_bytes": sum(t.numel() * t.element_size() for t in loop.state().values()),
+    out: dict[str, Any] = {"system": system, "device": str(dev), "step_s": statistics.median(plain),
+                           "steps": chosen, "checkpoints": checkpoints, "state_bytes": state_bytes,
                            "model": {"d_model": loop.d, "layers": loop.layers, "tokens": loop.tokens},
                            "staging_bytes": cfg.buffer_size * cfg.num_buffers}
+    out.update(medians(runs))
+    return out
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the checkpoints (whether every write ended inside the loop); the
+    slowed steps are what the median lost time leaves after the other parts' medians, so that
+    the parts still add up."""
+    out: dict[str, Any] = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
-        out[key] = statistics.median(values) if values else None
+        out[key] = (all(values) if key == "ended_inside" else statistics.median(values)) if values else None
+    out["slowed_s"] = out["lost_s"] - out["blocked_s"] - out["waited_s"]
     return out
 
 
 def run(size_gib: float, *, device: str = "auto", systems: tuple[str, ...] | list[str] | None = None,
-        directory: str | None = None, checkpoints: int = 2, isolate: bool = True,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure every system (each in a process of its own with ``isolate``); a JSON-able dict
-    with a row per system ("error" where one could not run) and ratios to the sync save."""
-    chosen = list(systems or SYSTEMS)
+        directory: str | None = None, checkpoints: int = 2, steps: int | None = None, isolate: bool = True,
+        progress: Callable[[str], None] | None = None, into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure every system (each in a process of its own with ``isolate``) over the same N steps
+    (``steps``, or ``auto_steps`` from the first system that runs); a JSON-able dict with a row per
+    system ("error" where one could not run), ratios, and notes on writes that outlasted the loop.
+    ``into`` (returned) is kept complete after each system, so that an interrupted run has the rows
+    measured before."""
+    result = {} if into is None else into
     rows: dict[str, dict[str, Any]] = {}
-    for system in chosen:
+    result.update({"kind": "training-stall", "size_gib": size_gib, "torch": torch.__version__,
+                   "ckptstream": ckptstream.__version__, "systems": rows})
+    _summarize(result, steps)
+    for system in systems or SYSTEMS:
         if progress is not None:
-            progress(f"stall benchmark: {system} ({size_gib:g} GiB state)")
+            progress(f"stall benchmark: {system} ({size_gib:g} GiB state" + (f", {steps} steps)" if steps else ")"))
         try:
             if isolate:
-                rows[system] = _in_child(system, size_gib, device, directory, checkpoints)
+                rows[system] = _in_child(system, size_gib, device, directory, checkpoints, steps)
             else:
-                rows[system] = measure(system, size_gib, device=device, directory=directory, checkpoints=checkpoints)
+                rows[system] = measure(system, size_gib, device=device, directory=directory, checkpoints=checkpoints,
+                                       steps=steps)
+            steps = rows[system]["steps"]  # the same N for the systems after it
         except Exception as e:  # a peer missing from this torch, or failing: reported, not fatal
             rows[system] = {"system": system, "error": f"{type(e).__name__}: {e}"}
+        _summarize(result, steps)
+    return result
+
+
+def _summarize(result: dict[str, Any], steps: int | None) -> None:
+    """The run's figures from its rows so far: the loop, N, ratios between rows, notes."""
+    rows = result["systems"]
+    _ratios(rows)
+    first: dict[str, Any] = next((r for r in rows.values() if "error" not in r), {})
+    result.update({"device": first.get("device"), "state_bytes": first.get("state_bytes"),
+                   "model": first.get("model"), "step_s": first.get("step_s"), "steps": steps,
+                   "notes": _outlasted(rows, steps)})
+
+
+def _ratios(rows: dict[str, dict[str, Any]]) -> None:
     sync = rows.get("sync", {}).get("durable_s")
     dcp = rows.get("dcp.async_save", {}).get("stall_s")
+    refs = {name: rows.get(name, {}).get("lost_s") for name in RATIOS_TO}
     for row in rows.values():
         if "error" not in row:
             row["durable_vs_sync"] = row["durable_s"] / sync if sync and row.get("durable_s") else None
             row["stall_vs_dcp"] = dcp / row["stall_s"] if dcp and row.get("stall_s") else None
-    first = next((r for r in rows.values() if "error" not in r), {})
-    return {"kind": "training-stall", "size_gib": size_gib, "device": first.get("device"),
-            "state_bytes": first.get("state_bytes"), "model": first.get("model"), "step_s": first.get("step_s"),
-            "torch": torch.__version__, "ckptstream": ckptstream.__version__, "systems": rows}
+            row["lost_vs"] = {name: ref / row["lost_s"] if ref and ref > 0 and row["lost_s"] > 0 else None
+                              for name, ref in refs.items() if ref is not None}
 
 
-def _in_child(system: str, size_gib: float, device: str, directory: str | None, checkpoints: int) -> dict[str, Any]:
+def _outlasted(rows: dict[str, dict[str, Any]], steps: int | None) -> list[str]:
+    """A note for each write that did not end inside the N steps: its lost time holds the wait."""
+    notes = []
+    for name, row in rows.items():
+        if row.get("ended_inside") is False:
+            need = math.ceil(row["durable_s"] / row["step_s"]) + 1
+            notes.append(f"{name}: its write outlasted the {steps} steps (durable after {_ms(row['durable_s'])}); "
+                         f"its lost time includes {_ms(row['waited_s'])} of waiting at the end: run with "
+                         f"--training-steps {need} or more for a loop that outlasts it")
+    return notes
+
+
+def _in_child(system: str, size_gib: float, device: str, directory: str | None, checkpoints: int,
+              steps: int | None) -> dict[str, Any]:
     argv = [sys.executable, "-m", "ckptstream.bench.training", "--worker", system, "--size-gib", str(size_gib),
-            "--device", device, "--checkpoints", str(checkpoints)] + (["--dir", directory] if directory else [])
+            "--device", device, "--checkpoints", str(checkpoints)]
+    argv += (["--dir", directory] if directory else []) + (["--steps", str(steps)] if steps else [])
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"the {system} process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -323,7 +320,7 @@ def _in_child(system: str, size_gib: float, device: str, directory: str | None, 
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+    return "-" if v is None else f"{v * 1000:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
 
 
 def _size(v: int | None) -> str:
@@ -334,47 +331,54 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:+.1f}%"
 
 
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}x" if v >= 10 else f"{v:.2f}x"
+
+
 def render(result: dict[str, Any]) -> str:
     """The result of ``run`` as a text table."""
-    head = ["system", "blocked", "stall", "slowdown in flight", "extra GPU", "peak RSS", "durable", "/ sync",
-            "stall: DCP / this"]
+    refs = [name for name in RATIOS_TO if "lost_s" in result["systems"].get(name, {})]
+    head = ["system", "lost", "blocked", "slowed steps", "wait at end", "stall", "slowdown in flight", "extra GPU",
+            "peak RSS", "durable", "/ sync", *(f"lost: {name} / this" for name in refs)]
     lines = []
     for name, r in result["systems"].items():
         if "error" in r:
-            lines.append([name, f"could not run: {r['error'][:80]}"] + [""] * (len(head) - 2))
+            lines.append([name, f"could not run: {r['error'][:100]}"] + [""] * (len(head) - 2))
             continue
         ratio = r.get("durable_vs_sync")
-        vs_dcp = r.get("stall_vs_dcp")
-        lines.append([name, _ms(r["blocked_s"]), _ms(r["stall_s"]), _pct(r["slowdown"]), _size(r["extra_gpu_bytes"]),
-                      _size(r["peak_rss_bytes"]), _ms(r["durable_s"]), "-" if ratio is None else f"{ratio:.2f}x",
-                      "-" if vs_dcp is None else f"{vs_dcp:.0f}x"])
+        lines.append([name, _ms(r["lost_s"]), _ms(r["blocked_s"]), _ms(r["slowed_s"]), _ms(r["waited_s"]),
+                      _ms(r["stall_s"]), _pct(r["slowdown"]), _size(r["extra_gpu_bytes"]), _size(r["peak_rss_bytes"]),
+                      _ms(r["durable_s"]), _x(ratio), *(_x(r["lost_vs"].get(ref)) for ref in refs)])
     widths = [max(len(str(row[i])) for row in [head, *lines]) for i in range(len(head))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *lines]]
     model = result.get("model") or {}
     title = (f"training stall: {_size(result.get('state_bytes'))} state on {result.get('device')}, "
              f"d_model {model.get('d_model')}, {model.get('layers')} layers, {model.get('tokens')} tokens per step, "
              f"plain step {_ms(result.get('step_s'))} (torch {result.get('torch')})")
-    return "\n".join([title, "", *text])
+    what = (f"lost per checkpoint = wall time of the same {result.get('steps')} steps with one checkpoint minus "
+            "without, the wait for durability at the end included = blocked + slowed steps + wait at end")
+    return "\n".join([title, what, "", *text, *(f"note: {note}" for note in result.get("notes", []))])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ckptstream.bench.training", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS)
     p.add_argument("--dir", help="file system to write the checkpoints to (a temporary folder there)")
     p.add_argument("--checkpoints", type=int, default=2, help="checkpoints per system (the median is shown)")
+    p.add_argument("--steps", type=int, help="steps with and without a checkpoint (default: see auto_steps)")
     p.add_argument("--json", help="write the result here")
-    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)  # one system, JSON on stdout
+    p.add_argument("--worker", choices=ALL_SYSTEMS, help=argparse.SUPPRESS)  # one system, JSON on stdout
     args = p.parse_args(argv)
     if args.worker:
         # DCP says so from its writer thread at every save (worded two ways): one process, no group, known
         warnings.filterwarnings("ignore", "torch.distributed is (disabled|unavailable)", UserWarning)
         print(json.dumps(measure(args.worker, args.size_gib, device=args.device, directory=args.dir,
-                                 checkpoints=args.checkpoints)))
+                                 checkpoints=args.checkpoints, steps=args.steps)))
         return 0
     result = run(args.size_gib, device=args.device, systems=args.systems, directory=args.dir,
-                 checkpoints=args.checkpoints, progress=lambda s: print(s, file=sys.stderr))
+                 checkpoints=args.checkpoints, steps=args.steps, progress=lambda s: print(s, file=sys.stderr))
     print(render(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -72,7 +72,8 @@ def _report(group: Group, what: str, rec: dict[str, Any], nbytes: int) -> None:
 
 def run_system(job: Job, group: Group) -> dict[str, Any]:
     """Save and load the state with one system, ``job["repeat"]`` times; each variant's loads
-    cold after each save, hot several times (see HOT_RUNS)."""
+    cold after each save, hot several times (see HOT_RUNS). A load-only system writes its file
+    once, untimed, and loads it cold ``job["repeat"]`` times."""
     system: System = SYSTEMS[job["system"]]
     try:
         importlib.import_module(system.module)  # before the clock: importing DCP alone takes seconds
@@ -85,7 +86,9 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
     nbytes = state_nbytes(state)
     os.makedirs(job["dir"], exist_ok=True)
     path, shared = system.path(job["dir"], group.rank), not system.filename
-    variants = system.variants_on(job["device"]) if job["all_variants"] else system.variants[:1]
+    wanted = job.get("variants") or [v.label for v in system.variants]  # --variants, or all
+    variants = tuple(v for v in system.variants_on(job["device"]) if v.label in wanted)
+    variants = variants if job["all_variants"] else variants[:1]
     temps = ("cold", "hot") if job["hot"] else ("cold",)
     runs: dict[str, Any] = {"save": [], "loads": {v.label: {t: [] for t in temps} for v in variants}}
     errors: dict[str, str] = {}
@@ -107,14 +110,17 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
 
     # Hot loads take a fraction of a second but vary from run to run: HOT_RUNS of them per
     # variant, the variants taking turns, so that the machine's drift falls on all alike.
-    hot_rounds = max(1, -(-HOT_RUNS // job["repeat"])) if "hot" in temps else 0
+    hot_rounds = max(1, -(-(job.get("hot_runs") or HOT_RUNS) // job["repeat"])) if "hot" in temps else 0
     prepared = system.prepare(state, world)
     try:
         for r in range(job["repeat"]):
-            _clear(path, group, shared)
-            rec, _ = timed_phase(group, lambda: system.save(prepared, path, world), None, cold)
-            runs["save"].append(rec)
-            _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
+            if system.timed_save:
+                _clear(path, group, shared)
+                rec, _ = timed_phase(group, lambda: system.save(prepared, path, world), None, cold)
+                runs["save"].append(rec)
+                _report(group, f"{system.name} save {r + 1}/{job['repeat']}", rec, nbytes)
+            else:
+                _write_untimed(group, system, prepared, path)
             files = cache.files_under(path)
             for v in variants:
                 if v.label not in errors:
@@ -127,6 +133,18 @@ def run_system(job: Job, group: Group) -> dict[str, Any]:
         _clear(path, group, shared)
     return {"bytes": nbytes, "tensors": sum(1 for _ in iter_tensors(state)), "runs": runs, "load_errors": errors,
             "settings": _staging_in_force()}
+
+
+def _write_untimed(group: Group, system: System, prepared: Any, path: str) -> None:
+    """The file a load-only system reads, written once (the first time), before any clock starts."""
+    if os.path.exists(path):
+        return
+    group.barrier()
+    system.save(prepared, path, group.world)
+    synchronize(group.device)
+    ckptstream.release_staging()
+    group.barrier()
+    say(group, f"{system.name}: wrote the file it loads (not timed)")
 
 
 def _staging_in_force() -> dict[str, int]:
