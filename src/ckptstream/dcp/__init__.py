@@ -20,8 +20,8 @@ from ._metadata import METADATA_NAME, StoredChunk
 from ._rankfile import rank_file_name
 from ._reader import StreamReader
 from ._staging import Staging
-from ._tools import as_sharded, checkpoint_files
+from ._tools import as_sharded, checkpoint_files, dcp_to_torch_save
 from ._writer import StreamWriter
 
 __all__ = ["METADATA_NAME", "Staging", "StoredChunk", "StreamReader", "StreamWriter", "as_sharded",
-           "checkpoint_files", "rank_file_name"]
+           "checkpoint_files", "dcp_to_torch_save", "rank_file_name"]
