@@ -146,6 +146,7 @@ class SafeUnpickler(pickle._Unpickler):
     stack: list[Any]
     metastack: list[list[Any]]
     pop_mark: Callable[[], list[Any]]
+    readline: Callable[[], bytes]
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, data: bytes, allowed: Allowed) -> None:
@@ -232,8 +233,15 @@ class SafeUnpickler(pickle._Unpickler):
             raise Refused(f"gives a {name} a state that is not a dict of its fields")
         inst.__dict__.update(state)
 
-    def _instantiate(self) -> None:
-        raise Refused("uses the INST or OBJ opcode (pickle protocols 0 and 1), which it never does")
+    def _inst(self) -> None:
+        module, name = (self.readline()[:-1].decode("utf-8", "replace") for _ in range(2))
+        raise Refused(f"makes an object of {module}.{name} by the INST opcode (pickle protocol 0), which it never "
+                      "uses")
+
+    def _obj(self) -> None:
+        items = self.pop_mark()
+        what = self._name(items[0]) if items else "nothing"
+        raise Refused(f"makes an object of {what} by the OBJ opcode (pickle protocol 1), which it never uses")
 
     # opcodes that call a method of an object on the stack: only on the containers that have it
     def _append(self) -> None:
@@ -287,7 +295,7 @@ def _install() -> None:
     table, base = SafeUnpickler.dispatch, pickle._Unpickler
     for code, method in ((pickle.REDUCE, SafeUnpickler._reduce), (pickle.NEWOBJ, SafeUnpickler._newobj),
                          (pickle.NEWOBJ_EX, SafeUnpickler._newobj_ex), (pickle.BUILD, SafeUnpickler._build),
-                         (pickle.INST, SafeUnpickler._instantiate), (pickle.OBJ, SafeUnpickler._instantiate),
+                         (pickle.INST, SafeUnpickler._inst), (pickle.OBJ, SafeUnpickler._obj),
                          (pickle.APPEND, SafeUnpickler._append), (pickle.APPENDS, SafeUnpickler._appends),
                          (pickle.SETITEM, SafeUnpickler._setitem), (pickle.SETITEMS, SafeUnpickler._setitems),
                          (pickle.ADDITEMS, SafeUnpickler._additems)):
