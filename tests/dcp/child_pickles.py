@@ -16,6 +16,7 @@ from SEED, each written as DIR/.metadata (while disarmed) and read by ``read_met
 from __future__ import annotations
 
 import copyreg
+import functools
 import json
 import os
 import random
@@ -30,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstream.dcp
-from ckptstream.dcp import _metadata
+from ckptstream.dcp import _metadata, _pickles
 
 ARMED = False
 EVENTS: list[str] = []
@@ -116,13 +117,11 @@ def warm_up(directory: str) -> None:
     _metadata.read_metadata(directory, None, trusted=False)
     ckptstream.dcp.checkpoint_files(directory)
     load(directory)
-    for bad in (b"\x80\x04K\x01.", b"garbage"):
-        Path(directory, ".metadata-probe").write_bytes(bad)
+    for bad in (b"\x80\x04K\x01.", b"garbage"):  # the error paths, formatted as DCP formats them
         try:
-            _metadata._pickles.loads(bad, _metadata.METADATA, "probe", "probe")
+            _pickles.loads(bad, _metadata.METADATA, "probe", "probe")
         except ckptstream.CorruptCheckpointError:
             traceback.format_exc()
-    os.unlink(Path(directory, ".metadata-probe"))
 
 
 ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
@@ -140,7 +139,7 @@ def cases(job_path: str) -> None:
     for case in job["cases"]:
         EVENTS.clear()
         directory = case["dir"]
-        result = {name: run(lambda fn=ENTRY_POINTS[name], d=directory: fn(d)) for name in case["entry_points"]}
+        result = {name: run(functools.partial(ENTRY_POINTS[name], directory)) for name in case["entry_points"]}
         print(json.dumps({"name": case["name"], "results": result, "events": list(EVENTS)}), flush=True)
 
 
@@ -211,7 +210,7 @@ def fuzz(directory: str, seed: int, count: int) -> None:
         path.write_bytes(payload)
         for name in ("read", "files"):
             EVENTS.clear()
-            result = run(lambda fn=ENTRY_POINTS[name]: fn(directory))
+            result = run(functools.partial(ENTRY_POINTS[name], directory))
             kind = "ok" if result["raised"] is None else ("corrupt" if result["corrupt"] else result["raised"])
             outcomes[kind] = outcomes.get(kind, 0) + 1
             if EVENTS or kind not in ("ok", "corrupt") or (kind == "corrupt" and str(path) not in result["text"]):

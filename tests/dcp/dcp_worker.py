@@ -8,6 +8,7 @@ WORKDIR.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -278,6 +279,35 @@ def scenario_kill(ctx: Ctx) -> None:
     raise AssertionError(f"rank {ctx.rank}: the save finished although rank 1 was killed")
 
 
+# --- a re-save of a complete directory that fails on one rank ------------------------------
+
+def scenario_resave(ctx: Ctx) -> None:
+    """Save A into work/ckpt, then B into the same directory, where rank 1's file write fails
+    (ENOSPC at its first write): the save fails on both ranks; the test reads what is left."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = ctx.workdir / "ckpt"
+    for seed in (SEED + 1, SEED + 2):
+        full = torch.randn(64, 6, generator=torch.Generator().manual_seed(seed))
+        state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)])}
+        writer = ckptstream.dcp.StreamWriter(path)
+        if seed == SEED + 1:
+            dcp.save(state, storage_writer=writer)
+            dist.barrier()
+            continue
+        if ctx.rank == 1:
+            def no_space(fd: int, view: memoryview, offset: int, path: str) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device (the test's)", path)
+
+            _fileio.pwrite_all = no_space
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as e:
+            print(f"rank {ctx.rank}: the re-save failed as it should: {e!r}"[:300], flush=True)
+        else:
+            raise AssertionError(f"rank {ctx.rank}: the re-save finished although rank 1 could not write")
+
+
 # --- GPU only: host memory stays bounded -------------------------------------------------
 
 def rss() -> int:
@@ -342,7 +372,8 @@ def scenario_memory(ctx: Ctx) -> None:
     assert loading.peak - base_load <= limit, f"load grew RSS by {(loading.peak - base_load) / mib:.0f} MiB"
 
 
-SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory}
+SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory,
+             "resave": scenario_resave}
 
 
 def main() -> None:

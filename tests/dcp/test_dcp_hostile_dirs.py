@@ -25,6 +25,7 @@ from dcp_helpers import load_1, poisoned_like, raises_metadata_error, same_bits,
 
 import ckptstream
 import ckptstream.dcp
+from ckptstream import _fileio
 from ckptstream.dcp import _metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -177,9 +178,13 @@ def test_metadata_beyond_the_bound_is_not_read(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(_metadata, "MAX_METADATA_BYTES", 1 << 20)
     os.truncate(ckpt / ".metadata", (1 << 20) + 1)
     reads: list[int] = []
-    real = _metadata._fileio.pread_into
-    monkeypatch.setattr(_metadata._fileio, "pread_into", lambda fd, view, *a: reads.append(len(view)) or
-                        real(fd, view, *a))
+    real = _fileio.pread_into
+
+    def pread_into(fd: int, view: memoryview, *args: Any) -> int:
+        reads.append(len(view))
+        return real(fd, view, *args)
+
+    monkeypatch.setattr(_fileio, "pread_into", pread_into)
     with pytest.raises(ckptstream.CorruptCheckpointError,
                        match=rf"^{ckpt / '.metadata'}: 1048577 bytes, more than the 1048576 that"):
         ckptstream.dcp.checkpoint_files(ckpt)

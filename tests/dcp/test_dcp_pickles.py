@@ -44,6 +44,7 @@ from dcp_helpers import (
     single_process,
     worker_env,
 )
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckptstream
 import ckptstream.dcp
@@ -114,7 +115,7 @@ def metadata_payloads(sentinel: Path) -> dict[str, tuple[bytes, str]]:
     """name -> (.metadata bytes, what the refusal must name)."""
     touch, code = f"touch {sentinel}", f"open({str(sentinel)!r}, 'w').close()"
     evil_metadata = _real_metadata()  # a real checkpoint's, with something hostile inside
-    evil_metadata.planner_data["w"] = Reduces(eval, code)  # type: ignore[index]
+    evil_metadata.planner_data["w"] = Reduces(eval, code)
     return {
         "an allowed module's os": (pickled(call(sglob(DCP_MD, "os.system"), text(touch))), f"{DCP_MD}.os.system"),
         "an allowed module's os module": (pickled(sglob(DCP_MD, "os"), text("system"), TUPLE2), f"{DCP_MD}.os"),
@@ -265,7 +266,8 @@ def run_child(*args: str, timeout: float = 300) -> list[dict[str, Any]]:
 
 def test_crafted_pickles_are_refused_and_run_nothing(base: Path, tmp_path: Path) -> None:
     sentinel = tmp_path / "SENTINEL"
-    cases, expected = [], {}
+    cases: list[dict[str, Any]] = []
+    expected: dict[str, tuple[str, str]] = {}
     for name, (data, names) in metadata_payloads(sentinel).items():
         directory = tmp_path / f"m{len(cases)}"
         shutil.copytree(base, directory)
@@ -355,15 +357,18 @@ def test_real_metadata_reads_as_plain_pickle_reads_it(tmp_path: Path, writer: st
     single_process(dcp.save, state, storage_writer=storage)
     safe = _metadata.read_metadata(str(tmp_path / "ckpt"), None, trusted=False)
     assert safe == pickle.loads((tmp_path / "ckpt" / ".metadata").read_bytes())
-    assert safe.state_dict_metadata["cl"].properties.memory_format == torch.contiguous_format
-    assert safe.state_dict_metadata["grad"].properties.requires_grad is True
+    cl, grad = safe.state_dict_metadata["cl"], safe.state_dict_metadata["grad"]
+    assert isinstance(cl, TensorStorageMetadata)
+    assert isinstance(grad, TensorStorageMetadata)
+    assert cl.properties.memory_format == torch.contiguous_format
+    assert grad.properties.requires_grad is True
 
 
 def test_plain_non_tensor_values_round_trip(tmp_path: Path) -> None:
-    state = {"w": torch.randn(3), "values": dict(PLAIN_VALUES)}
-    save_1(state, tmp_path / "ckpt")
+    w = torch.randn(3)
+    save_1({"w": w, "values": dict(PLAIN_VALUES)}, tmp_path / "ckpt")
     loaded = load_1({"w": torch.zeros(3), "values": dict.fromkeys(PLAIN_VALUES)}, tmp_path / "ckpt")
-    assert same_bits(loaded["w"], state["w"])
+    assert same_bits(loaded["w"], w)
     for key, value in PLAIN_VALUES.items():
         assert same_value(loaded["values"][key], value), key
     assert type(loaded["values"]["ordered"][0]) is collections.OrderedDict
