@@ -142,7 +142,7 @@ def test_a_fifo_metadata_does_not_block(tmp_path: Path) -> None:
     (ckpt / ".metadata").unlink()
     os.mkfifo(ckpt / ".metadata")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(ckpt)], env=worker_env(), capture_output=True, text=True,
-                          timeout=240)
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     message = f"{ckpt / '.metadata'}: is a FIFO (named pipe), not a regular file"

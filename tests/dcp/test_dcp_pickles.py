@@ -186,7 +186,7 @@ def metadata_payloads(sentinel: Path) -> dict[str, tuple[bytes, str]]:
         "APPEND to a function": (pickled(sglob("torch", "Size"), small(1), APPEND), "appends to a torch.Size"),
         "ADDITEMS to a dict": (pickled(EMPTY_DICT, MARK, small(1), ADDITEMS), "adds items to a builtins.dict"),
         "protocol 0 (copyreg)": (pickle.dumps(_real_metadata(), protocol=0), "copy_reg._reconstructor"),
-        "tuples nested 100000 deep": (pickled(EMPTY_DICT, EMPTY_TUPLE, TUPLE1 * 100_000, small(1), SETITEM),
+        "tuples nested a million deep": (pickled(EMPTY_DICT, EMPTY_TUPLE, TUPLE1 * 1_000_000, small(1), SETITEM),
                                       "nests tuples more than 64 deep"),
         "a path, not Metadata": (pickle.dumps(Path("/etc/passwd")), "holds a PosixPath, not DCP's Metadata"),
     }
@@ -251,7 +251,7 @@ def value_payloads(sentinel: Path) -> dict[str, tuple[bytes, str]]:
                                                     "not one uncompressed data.pkl"),
         "value: a compressed data.pkl": (with_data_pkl([benign], zipfile.ZIP_DEFLATED),
                                          "not one uncompressed data.pkl"),
-        "value: tuples nested 100000 deep": (with_data_pkl([pickled(EMPTY_DICT, EMPTY_TUPLE, TUPLE1 * 100_000,
+        "value: tuples nested a million deep": (with_data_pkl([pickled(EMPTY_DICT, EMPTY_TUPLE, TUPLE1 * 1_000_000,
                                                                     small(1), SETITEM)]),
                                              "nests tuples more than 64 deep"),
     }
