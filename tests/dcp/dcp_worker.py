@@ -279,6 +279,46 @@ def scenario_kill(ctx: Ctx) -> None:
     raise AssertionError(f"rank {ctx.rank}: the save finished although rank 1 was killed")
 
 
+# --- an async save on a process group of its own, training collectives beside it ---------
+
+class GatedWriter(ckptstream.dcp.StreamWriter):
+    """Holds its write until ``release`` is set, having set ``writing``: the save is in flight."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writing, self.release = threading.Event(), threading.Event()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.writing.set()
+        assert self.release.wait(120), "never released"
+        return super().write_data(plan, planner)
+
+
+def scenario_async_group(ctx: Ctx) -> None:
+    """docs/dcp.md's pattern: dcp.async_save on a gloo group made for checkpoints, while the
+    training's collectives run on the default group; they run while the save is in flight
+    (its write held until they are done) and both complete."""
+    save_group = dist.new_group(backend="gloo")  # every rank, once, in the same order
+    full = torch.randn(64, 6, generator=torch.Generator().manual_seed(SEED + 3))
+    state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)]), "step": 5}
+    writer = GatedWriter(ctx.workdir / "async-group")
+    future = dcp.async_save(state, storage_writer=writer, process_group=save_group)
+    assert writer.writing.wait(120), "the save never reached its write"
+    total = torch.zeros(1, device=ctx.device)
+    for step in range(20):  # the training's collectives, on the default group
+        grad = torch.full((1,), float(step + ctx.rank), device=ctx.device)
+        dist.all_reduce(grad)
+        total += grad
+    writer.release.set()
+    future.result(timeout=120)
+    assert total.item() == sum(2 * step + 1 for step in range(20)), total
+    loaded: dict[str, Any] = {"w": distribute_tensor(poisoned_like(full).to(ctx.device), ctx.mesh, [Shard(0)]),
+                              "step": 0}
+    dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "async-group"))
+    assert same_bits(loaded["w"].full_tensor().cpu(), full), "async save on its own group"
+    assert loaded["step"] == 5
+
+
 # --- a re-save of a complete directory that fails on one rank ------------------------------
 
 def scenario_resave(ctx: Ctx) -> None:
@@ -373,7 +413,7 @@ def scenario_memory(ctx: Ctx) -> None:
 
 
 SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory,
-             "resave": scenario_resave}
+             "resave": scenario_resave, "async_group": scenario_async_group}
 
 
 def main() -> None:

@@ -100,6 +100,8 @@ def dcp_to_torch_save(path: str | os.PathLike[str], torch_save_path: str | os.Pa
 
     from ._reader import StreamReader
 
+    # read first here, so that its errors come as they are (DCP 2.9+ turns them into assertions)
+    _metadata.read_metadata(os.fspath(path), None, trusted=trust_metadata)
     state: dict[str, Any] = {}
     try:
         _load_state_dict(state, storage_reader=StreamReader(path, trust_metadata=trust_metadata),
