@@ -303,6 +303,7 @@ def scenario_async_group(ctx: Ctx) -> None:
     state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)]), "step": 5}
     writer = GatedWriter(ctx.workdir / "async-group")
     future = dcp.async_save(state, storage_writer=writer, process_group=save_group)
+    assert isinstance(future, Future), future
     assert writer.writing.wait(120), "the save never reached its write"
     total = torch.zeros(1, device=ctx.device)
     for step in range(20):  # the training's collectives, on the default group
