@@ -153,6 +153,7 @@ class SafeUnpickler(pickle._Unpickler):
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._classes = {id(c) for c in allowed.classes.values()}
+        self._own_setstate = {id(c) for c in allowed.classes.values() if "__setstate__" in vars(c)}
         self._calls = {id(c) for c in allowed.calls.values()}
         self._names: dict[int, str] = {}
         for table in (allowed.classes, allowed.calls, allowed.values):
@@ -181,18 +182,15 @@ class SafeUnpickler(pickle._Unpickler):
     def _reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
-        name = self._name(func)
         if id(func) not in self._calls:
             how = "makes from its fields" if id(func) in self._classes else "never calls"
-            raise Refused(f"calls {name}, which it {how}")
+            raise Refused(f"calls {self._name(func)}, which it {how}")
         if type(args) is not tuple:
-            raise Refused(f"calls {name} with {type(args).__name__} arguments")
+            raise Refused(f"calls {self._name(func)} with {type(args).__name__} arguments")
         try:
             self.stack[-1] = func(*args)
-        except Refused as e:
-            raise Refused(f"calls {name} wrongly: {e}") from e
-        except TypeError as e:  # the wrong number of arguments
-            raise Refused(f"calls {name} wrongly: {e}") from e
+        except (Refused, TypeError) as e:  # TypeError: the wrong number of arguments
+            raise Refused(f"calls {self._name(func)} wrongly: {e}") from e
 
     def _newobj(self) -> None:
         args = self.stack.pop()
@@ -218,19 +216,18 @@ class SafeUnpickler(pickle._Unpickler):
         if id(kind) not in self._classes:
             what = "the class" if isinstance(inst, type) else "an object of"
             raise Refused(f"sets the state of {what} {self._name(inst)}, which it never does")
-        name = self._name(kind)
-        if "__setstate__" in vars(kind):  # the class's own rule (TensorProperties)
+        if id(kind) in self._own_setstate:  # the class's own rule (TensorProperties)
             if type(state) is not tuple:
-                raise Refused(f"gives a {name} a {type(state).__name__} state, not a tuple")
+                raise Refused(f"gives a {self._name(kind)} a {type(state).__name__} state, not a tuple")
             try:
                 inst.__setstate__(state)
             except Exception as e:
-                raise Refused(f"gives a {name} a state it refuses ({type(e).__name__}: {e})") from e
+                raise Refused(f"gives a {self._name(kind)} a state it refuses ({type(e).__name__}: {e})") from e
             return
         if type(state) is tuple and len(state) == 2 and state[1] is None:
             state = state[0]
         if type(state) is not dict or not all(type(k) is str and not k.startswith("__") for k in state):
-            raise Refused(f"gives a {name} a state that is not a dict of its fields")
+            raise Refused(f"gives a {self._name(kind)} a state that is not a dict of its fields")
         inst.__dict__.update(state)
 
     def _inst(self) -> None:
@@ -278,17 +275,16 @@ class SafeUnpickler(pickle._Unpickler):
     def _tuple(self, handler: Callable[[Any], None]) -> None:
         handler(self)
         made = self.stack[-1]
-        depth = 1 + max((self._depth(x) for x in made), default=0)
+        depth = 1
+        for x in made:
+            if type(x) is tuple or type(x) is frozenset:
+                known = self._depths.get(id(x))
+                inner = known[0] if known is not None and known[1] is x else 1
+                depth = max(depth, inner + 1)
         if depth > MAX_DEPTH:
             raise Refused(f"nests tuples more than {MAX_DEPTH} deep (hashing them would crash the process)")
         if depth > 1:
             self._depths[id(made)] = (depth, made)  # kept alive, so that its id stays its own
-
-    def _depth(self, x: Any) -> int:
-        if type(x) not in (tuple, frozenset):
-            return 0
-        known = self._depths.get(id(x))
-        return known[0] if known is not None and known[1] is x else 1
 
 
 def _install() -> None:
