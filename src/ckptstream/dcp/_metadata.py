@@ -132,7 +132,11 @@ def read_metadata(directory: str, rank: int | None, *, trusted: bool) -> Metadat
     path = os.path.join(directory, metadata_name(rank))
     data = _read_file(path, directory, rank)
     if trusted:  # the caller vouched for the file
-        metadata = _pickles.loads_trusted(data)
+        try:
+            metadata = _pickles.loads_trusted(data)
+        except Exception as e:  # a truncated or damaged pickle fails in many ways
+            raise CorruptCheckpointError(f"{path}: the checkpoint's metadata cannot be read ({type(e).__name__}: "
+                                         f"{e}); it is damaged, or not a DCP checkpoint") from e
     else:
         metadata = _pickles.loads(data, METADATA, path, "the checkpoint's metadata")
     if not isinstance(metadata, Metadata):
