@@ -140,6 +140,8 @@ def scenario_reshard(ctx: Ctx) -> None:
     if ctx.rank == 0:
         refuse_dtensor(ctx, state)
     no_collectives(ctx)
+    async_on_its_own_group(ctx)
+    resave_fails_on_one_rank(ctx)  # last: rank 1's writes fail from there on
 
 
 def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
@@ -294,7 +296,7 @@ class GatedWriter(ckptstream.dcp.StreamWriter):
         return super().write_data(plan, planner)
 
 
-def scenario_async_group(ctx: Ctx) -> None:
+def async_on_its_own_group(ctx: Ctx) -> None:
     """docs/dcp.md's pattern: dcp.async_save on a gloo group made for checkpoints, while the
     training's collectives run on the default group; they run while the save is in flight
     (its write held until they are done) and both complete."""
@@ -322,12 +324,12 @@ def scenario_async_group(ctx: Ctx) -> None:
 
 # --- a re-save of a complete directory that fails on one rank ------------------------------
 
-def scenario_resave(ctx: Ctx) -> None:
-    """Save A into work/ckpt, then B into the same directory, where rank 1's file write fails
+def resave_fails_on_one_rank(ctx: Ctx) -> None:
+    """Save A into work/resave, then B into the same directory, where rank 1's file write fails
     (ENOSPC at its first write): the save fails on both ranks; the test reads what is left."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    path = ctx.workdir / "ckpt"
+    path = ctx.workdir / "resave"
     for seed in (SEED + 1, SEED + 2):
         full = torch.randn(64, 6, generator=torch.Generator().manual_seed(seed))
         state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)])}
@@ -413,8 +415,7 @@ def scenario_memory(ctx: Ctx) -> None:
     assert loading.peak - base_load <= limit, f"load grew RSS by {(loading.peak - base_load) / mib:.0f} MiB"
 
 
-SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory,
-             "resave": scenario_resave, "async_group": scenario_async_group}
+SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory}
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ for bit, a rank killed mid-save, a corrupted rank file."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from dcp_helpers import (
     EXTRA,
+    SEED,
     box,
     check_full,
     destination,
@@ -50,8 +52,9 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-rank job of dcp_worker.scenario_reshard, which asserts in the ranks: Shard(0) saved
     and loaded as Shard(1) and Replicate, the 1-rank save below loaded by 2 ranks, the rank
     files through torch's HuggingFaceStorageReader (2.9+), each async_save staging mode with
-    the state changed right after staging, use_collectives=False (2.9+), and the DTensor
-    refusal of ckptstream.save."""
+    the state changed right after staging, use_collectives=False (2.9+), the DTensor refusal
+    of ckptstream.save, an async save on a group of its own beside training collectives, and
+    (last) a re-save into a complete directory that fails on rank 1."""
     work = tmp_path_factory.mktemp("reshard")
     save_1(nested(global_tensors()), work / "single")
     run_ranks("reshard", work)
@@ -180,13 +183,29 @@ def test_corrupted_header_names_the_file(resharded: Path, tmp_path: Path) -> Non
                   destination(), ckpt)
 
 
-def test_async_save_on_its_own_group_beside_training_collectives(tmp_path: Path) -> None:
-    """dcp_worker.scenario_async_group: docs/dcp.md's async pattern with process_group= of a
+def test_async_save_on_its_own_group_beside_training_collectives(resharded: Path) -> None:
+    """dcp_worker.async_on_its_own_group: docs/dcp.md's async pattern with process_group= of a
     gloo group made for checkpoints, 20 all_reduces on the default group while the save is in
-    flight; both complete and the checkpoint loads bit for bit."""
-    run_ranks("async_group", tmp_path)
-    assert sorted(p.name for p in (tmp_path / "async-group").iterdir()) == [
+    flight; both complete and the checkpoint loads bit for bit (checked in the ranks)."""
+    assert sorted(p.name for p in (resharded / "async-group").iterdir()) == [
         ".metadata", "rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+def test_failed_resave_of_a_complete_directory_leaves_no_checkpoint(resharded: Path) -> None:
+    """dcp_worker.resave_fails_on_one_rank: two ranks save A, then re-save B into the same
+    directory and rank 1 fails writing its file. Rank 0's file of B is in place; the old
+    .metadata must not be, or the directory would read as A's checkpoint with B's rank 0 in it.
+    (tests/dcp/test_dcp_durability.py traces the order of the calls that make this so.)"""
+    ckpt = resharded / "resave"
+    names = sorted(os.listdir(ckpt))
+    assert ".metadata" not in names, names
+    assert "rank-00000.safetensors" in names, names
+    with ckptstream.open(ckpt / "rank-00000.safetensors") as reader:  # rank 0's rows of B: the new save landed
+        b_rows = torch.randn(64, 6, generator=torch.Generator().manual_seed(SEED + 2))[:32]
+        assert same_bits(reader.read("w"), b_rows)
+    raises_metadata_error(FileNotFoundError, r"no \.metadata: not a complete DCP checkpoint", load_1,
+                          {"w": torch.zeros(64, 6)}, ckpt)
+    assert not [n for n in names if ".ckptstream-tmp-" in n], names
 
 
 @pytest.mark.skipif(torch_version() < (2, 7), reason=f"torch {torch.__version__}'s FSDP2 needs CUDA on a gloo group "
