@@ -179,7 +179,7 @@ def metadata_payloads(sentinel: Path) -> dict[str, tuple[bytes, str]]:
         "OBJ of os.system": (pickled(MARK, glob("os", "system"), text(touch), OBJ), "os.system"),
         "EXT2 registered as os.system": (pickled(call(b"\x83" + (0x7A11).to_bytes(2, "little"), text(touch))),
                                          "os.system"),
-        "an unregistered EXT1": (pickled(b"\x82\x05"), "unregistered extension code"),
+        "an unregistered EXT1": (pickled(b"\x82\x05"), "refers to the extension code 5, which names nothing"),
         "a persistent id": (pickled(text("storage"), BINPERSID), "refers to a persistent object"),
         "SETITEM on a class": (pickled(sglob(DCP_MD, "Metadata"), text("k"), small(1), SETITEM),
                                f"sets an item of the class {DCP_MD}.Metadata"),

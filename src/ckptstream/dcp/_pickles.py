@@ -21,6 +21,7 @@ the C stack, in this unpickler as in pickle's and torch's own.
 from __future__ import annotations
 
 import collections
+import copyreg
 import dataclasses
 import functools
 import io
@@ -174,6 +175,14 @@ class SafeUnpickler(pickle._Unpickler):
             if key in table:
                 return table[key]
         raise Refused(f"refers to {module}.{name}, which it never holds")
+
+    def get_extension(self, code: int) -> None:
+        """EXT1/2/4: the name registered for ``code`` in copyreg, through find_class (pickle's
+        own keeps what it found in a cache that every unpickler of the process shares)."""
+        key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
+        if not key:
+            raise Refused(f"refers to the extension code {code}, which names nothing")
+        self.stack.append(self.find_class(*key))
 
     def persistent_load(self, pid: Any) -> Any:
         raise Refused("refers to a persistent object (a tensor's storage), which it never holds")
