@@ -21,7 +21,6 @@ the C stack, in this unpickler as in pickle's and torch's own.
 from __future__ import annotations
 
 import collections
-import copyreg
 import dataclasses
 import functools
 import io
@@ -179,7 +178,7 @@ class SafeUnpickler(pickle._Unpickler):
     def get_extension(self, code: int) -> None:
         """EXT1/2/4: the name registered for ``code`` in copyreg, through find_class (pickle's
         own keeps what it found in a cache that every unpickler of the process shares)."""
-        key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
+        key = pickle._inverted_registry.get(code)  # type: ignore[attr-defined]  # copyreg's, as pickle sees it
         if not key:
             raise Refused(f"refers to the extension code {code}, which names nothing")
         self.stack.append(self.find_class(*key))
