@@ -108,6 +108,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.path}: the checkpoint's chunks are stored as {kinds}, not by ckptstream.dcp.StreamWriter; "
                 "load it with the reader of the writer that saved it (torch's FileSystemReader for FileSystemWriter)")
+        # read_metadata checked the files' names; so is metadata that came another way
+        _metadata.check_storage(metadata, os.path.join(self.path, _metadata.METADATA_NAME))
         self.storage_data = data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
