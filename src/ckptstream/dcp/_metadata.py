@@ -30,8 +30,8 @@ from . import _pickles
 
 METADATA_NAME = ".metadata"  # DCP's name, so tools that look for a finished checkpoint find it
 FORMAT_VERSION = "1.0.0"  # DCP's metadata version of the layout we write
-# DCP's metadata grows with the chunks (about 220 bytes each): a few MB for one node, hundreds
-# of MB for a thousand ranks; a larger file (a sparse one, say) is refused rather than read
+# DCP's metadata grows with the number of chunks (docs/dcp.md gives a size); this bound leaves
+# room for jobs of thousands of ranks, and a larger file (a sparse one, say) is refused unread
 MAX_METADATA_BYTES = 4 << 30
 
 
