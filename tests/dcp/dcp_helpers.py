@@ -47,6 +47,55 @@ def global_tensors(seed: int = SEED) -> dict[str, torch.Tensor]:
     }
 
 
+def edge_state() -> dict[str, Any]:
+    base = torch.randn(12, 10)
+    state: dict[str, Any] = {
+        "model": {
+            "w": torch.randn(1001, 3),  # 12012 bytes: several 4 KiB chunks, elements cut at their edges
+            "bf16": torch.randn(33).to(torch.bfloat16),
+            "f64": torch.randn(5, 2, dtype=torch.float64),
+            "transposed": base.t(),  # non-contiguous views of one storage
+            "strided": base[::3, 1::2],
+            "scalar": torch.tensor(2.75),
+            "empty": torch.empty(0, 4),
+        },
+        "int8": torch.randint(-128, 127, (17,), dtype=torch.int8),
+        "mask": torch.rand(9) > 0.5,
+        "step": torch.tensor(12345, dtype=torch.int64),
+        "extra": {"epoch": 3, "name": "run-7", "sizes": [1, 2, 3], "nothing": None},
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        state["fp8"] = torch.randn(7, 3).to(torch.float8_e4m3fn)
+    return state
+
+
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert same_bits(got, want), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    else:
+        assert got == want, where
+
+
+def fresh_destination(state: dict[str, Any]) -> dict[str, Any]:
+    """A poisoned destination of the same structure (2-d tensors column-major: the load writes
+    through strides)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = poisoned_like(value)
+            if value.dim() == 2:
+                out[key] = out[key].t().contiguous().t()
+        elif key == "extra":
+            out[key] = {"epoch": 0, "name": "", "sizes": [], "nothing": 0}
+        elif isinstance(value, dict):
+            out[key] = fresh_destination(value)
+    return out
+
+
 def nested(flat: dict[str, Any]) -> dict[str, Any]:
     """``{"model.W": w, "ints": i}`` as ``{"model": {"W": w}, "ints": i}``."""
     out: dict[str, Any] = {}

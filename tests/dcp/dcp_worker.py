@@ -8,6 +8,7 @@ WORKDIR.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -139,6 +140,8 @@ def scenario_reshard(ctx: Ctx) -> None:
     if ctx.rank == 0:
         refuse_dtensor(ctx, state)
     no_collectives(ctx)
+    async_on_its_own_group(ctx)
+    resave_fails_on_one_rank(ctx)  # last: rank 1's writes fail from there on
 
 
 def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
@@ -276,6 +279,76 @@ def scenario_kill(ctx: Ctx) -> None:
         print(f"rank {ctx.rank}: the save failed as it should: {type(e).__name__}", flush=True)
         os._exit(3)
     raise AssertionError(f"rank {ctx.rank}: the save finished although rank 1 was killed")
+
+
+# --- an async save on a process group of its own, training collectives beside it ---------
+
+class GatedWriter(ckptstream.dcp.StreamWriter):
+    """Holds its write until ``release`` is set, having set ``writing``: the save is in flight."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writing, self.release = threading.Event(), threading.Event()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.writing.set()
+        assert self.release.wait(120), "never released"
+        return super().write_data(plan, planner)
+
+
+def async_on_its_own_group(ctx: Ctx) -> None:
+    """docs/dcp.md's pattern: dcp.async_save on a gloo group made for checkpoints, while the
+    training's collectives run on the default group; they run while the save is in flight
+    (its write held until they are done) and both complete."""
+    save_group = dist.new_group(backend="gloo")  # every rank, once, in the same order
+    full = torch.randn(64, 6, generator=torch.Generator().manual_seed(SEED + 3))
+    state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)]), "step": 5}
+    writer = GatedWriter(ctx.workdir / "async-group")
+    future = dcp.async_save(state, storage_writer=writer, process_group=save_group)
+    assert isinstance(future, Future), future
+    assert writer.writing.wait(120), "the save never reached its write"
+    total = torch.zeros(1, device=ctx.device)
+    for step in range(20):  # the training's collectives, on the default group
+        grad = torch.full((1,), float(step + ctx.rank), device=ctx.device)
+        dist.all_reduce(grad)
+        total += grad
+    writer.release.set()
+    future.result(timeout=120)
+    assert total.item() == sum(2 * step + 1 for step in range(20)), total
+    loaded: dict[str, Any] = {"w": distribute_tensor(poisoned_like(full).to(ctx.device), ctx.mesh, [Shard(0)]),
+                              "step": 0}
+    dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "async-group"))
+    assert same_bits(loaded["w"].full_tensor().cpu(), full), "async save on its own group"
+    assert loaded["step"] == 5
+
+
+# --- a re-save of a complete directory that fails on one rank ------------------------------
+
+def resave_fails_on_one_rank(ctx: Ctx) -> None:
+    """Save A into work/resave, then B into the same directory, where rank 1's file write fails
+    (ENOSPC at its first write): the save fails on both ranks; the test reads what is left."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = ctx.workdir / "resave"
+    for seed in (SEED + 1, SEED + 2):
+        full = torch.randn(64, 6, generator=torch.Generator().manual_seed(seed))
+        state = {"w": distribute_tensor(full.to(ctx.device), ctx.mesh, [Shard(0)])}
+        writer = ckptstream.dcp.StreamWriter(path)
+        if seed == SEED + 1:
+            dcp.save(state, storage_writer=writer)
+            dist.barrier()
+            continue
+        if ctx.rank == 1:
+            def no_space(fd: int, view: memoryview, offset: int, path: str) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device (the test's)", path)
+
+            _fileio.pwrite_all = no_space
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as e:
+            print(f"rank {ctx.rank}: the re-save failed as it should: {e!r}"[:300], flush=True)
+        else:
+            raise AssertionError(f"rank {ctx.rank}: the re-save finished although rank 1 could not write")
 
 
 # --- GPU only: host memory stays bounded -------------------------------------------------

@@ -6,6 +6,7 @@ for bit, a rank killed mid-save, a corrupted rank file."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -15,12 +16,14 @@ import pytest
 import torch
 from dcp_helpers import (
     EXTRA,
+    SEED,
     box,
     check_full,
     destination,
     finish_ranks,
     flip_byte,
     global_tensors,
+    has_hf_reader,
     load_1,
     nested,
     poisoned_like,
@@ -49,8 +52,9 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-rank job of dcp_worker.scenario_reshard, which asserts in the ranks: Shard(0) saved
     and loaded as Shard(1) and Replicate, the 1-rank save below loaded by 2 ranks, the rank
     files through torch's HuggingFaceStorageReader (2.9+), each async_save staging mode with
-    the state changed right after staging, use_collectives=False (2.9+), and the DTensor
-    refusal of ckptstream.save."""
+    the state changed right after staging, use_collectives=False (2.9+), the DTensor refusal
+    of ckptstream.save, an async save on a group of its own beside training collectives, and
+    (last) a re-save into a complete directory that fails on rank 1."""
     work = tmp_path_factory.mktemp("reshard")
     save_1(nested(global_tensors()), work / "single")
     run_ranks("reshard", work)
@@ -105,6 +109,47 @@ def test_own_shards_as_one_sharded_state(resharded: Path) -> None:
         str(resharded / "own-shards" / n) for n in (".metadata", "rank-00000.safetensors", "rank-00001.safetensors")]
 
 
+def test_dcp_to_torch_save_of_two_ranks(resharded: Path, tmp_path: Path) -> None:
+    """Every rank's chunks put back together into the global tensors, with the non-tensor
+    values, in one torch.save file (through DCP's _EmptyStateDictLoadPlanner and StreamReader)."""
+    ckptstream.dcp.dcp_to_torch_save(resharded / "sharded", tmp_path / "state.pt")
+    check_full(torch.load(tmp_path / "state.pt", weights_only=True))
+
+
+@pytest.mark.skipif(not has_hf_reader(), reason=f"torch {torch.__version__} has no HuggingFaceStorageReader")
+def test_hugging_face_reader_reads_two_ranks_in_one_process(resharded: Path) -> None:
+    """torch's HuggingFaceStorageReader builds its metadata from the rank files' headers: every
+    tensor comes back whole; a non-tensor value comes back as the U8 tensor of its torch.save
+    bytes (the reader reads tensors only)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    loaded: dict[str, Any] = {}
+    _load_state_dict(loaded, storage_reader=HuggingFaceStorageReader(str(resharded / "sharded")),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    for key, value in global_tensors().items():
+        assert same_bits(loaded[key], value), key
+    assert torch.load(io.BytesIO(loaded["extra.step"].numpy().tobytes()), weights_only=True) == EXTRA["step"]
+
+
+@pytest.mark.skipif(not has_hf_reader(), reason=f"torch {torch.__version__} has no safetensors consolidation")
+def test_hugging_face_consolidation_of_two_ranks(resharded: Path, tmp_path: Path) -> None:
+    """torch's consolidate_safetensors_files merges the ranks' chunks of floating-point tensors
+    into one safetensors file (it sizes elements with torch.finfo: integer tensors it cannot)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    floats = ["model.W", "model.V", "model.H", "tiny"]
+    (tmp_path / "out").mkdir()
+    consolidate_safetensors_files(str(resharded / "sharded"), str(tmp_path / "out"),
+                                  fqn_to_index_mapping=dict.fromkeys(floats, 1))
+    merged = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
+    assert sorted(merged) == sorted(floats)
+    for key in floats:
+        assert same_bits(merged[key], global_tensors()[key]), key
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_async_save_writes_the_same_files(resharded: Path, mode: str) -> None:
     for rank in range(2):
@@ -136,6 +181,31 @@ def test_corrupted_header_names_the_file(resharded: Path, tmp_path: Path) -> Non
     path.write_bytes(raw)
     raises_in_dcp(ckptstream.CorruptCheckpointError, f"^{path}: the header fails its CRC-32C check", load_1,
                   destination(), ckpt)
+
+
+def test_async_save_on_its_own_group_beside_training_collectives(resharded: Path) -> None:
+    """dcp_worker.async_on_its_own_group: docs/dcp.md's async pattern with process_group= of a
+    gloo group made for checkpoints, 20 all_reduces on the default group while the save is in
+    flight; both complete and the checkpoint loads bit for bit (checked in the ranks)."""
+    assert sorted(p.name for p in (resharded / "async-group").iterdir()) == [
+        ".metadata", "rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+def test_failed_resave_of_a_complete_directory_leaves_no_checkpoint(resharded: Path) -> None:
+    """dcp_worker.resave_fails_on_one_rank: two ranks save A, then re-save B into the same
+    directory and rank 1 fails writing its file. Rank 0's file of B is in place; the old
+    .metadata must not be, or the directory would read as A's checkpoint with B's rank 0 in it.
+    (tests/dcp/test_dcp_durability.py traces the order of the calls that make this so.)"""
+    ckpt = resharded / "resave"
+    names = sorted(os.listdir(ckpt))
+    assert ".metadata" not in names, names
+    assert "rank-00000.safetensors" in names, names
+    with ckptstream.open(ckpt / "rank-00000.safetensors") as reader:  # rank 0's rows of B: the new save landed
+        b_rows = torch.randn(64, 6, generator=torch.Generator().manual_seed(SEED + 2))[:32]
+        assert same_bits(reader.read("w"), b_rows)
+    raises_metadata_error(FileNotFoundError, r"no \.metadata: not a complete DCP checkpoint", load_1,
+                          {"w": torch.zeros(64, 6)}, ckpt)
+    assert not [n for n in names if ".ckptstream-tmp-" in n], names
 
 
 @pytest.mark.skipif(torch_version() < (2, 7), reason=f"torch {torch.__version__}'s FSDP2 needs CUDA on a gloo group "

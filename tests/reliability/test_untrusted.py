@@ -29,12 +29,13 @@ UNSAFE_CALLS = {("torch", "load"), ("jit", "load"), ("np", "load"), ("numpy", "l
                 ("subprocess", "Popen")}  # fmt: skip
 # the benchmark times the peers on files it has just written, in worker processes it starts
 BENCH_ALLOWED = {"importlib.import_module", "subprocess.run", "subprocess.Popen"}
-# DCP's own .metadata file is a pickle (its format, not ours): ckptstream.dcp reads it through an
-# unpickler that admits only the classes such metadata holds (tests/dcp: a crafted .metadata is
-# refused), and through plain pickle only when the caller says trust_metadata=True.
+# DCP's own .metadata file and its non-tensor values are pickles (its format, not ours):
+# ckptstream.dcp reads them through an unpickler that builds only an exact set of DCP's classes
+# and plain values (tests/dcp/test_dcp_pickles.py: crafted pickles are refused), and through plain
+# pickle only when the caller says trust_metadata=True.
 # StreamCheckpointIO(allow_pickle=True) pickles the values its user opted into, and unpickles
 # them only under the same opt-in (tests/test_lightning_io.py: refused without it).
-PICKLE_ALLOWED = {Path("ckptstream") / "dcp" / "_metadata.py", Path("ckptstream") / "lightning" / "_pickled.py"}
+PICKLE_ALLOWED = {Path("ckptstream") / "dcp" / "_pickles.py", Path("ckptstream") / "lightning" / "_pickled.py"}
 
 
 def modules() -> list[Path]:

@@ -12,6 +12,11 @@ per chunk and an atomic ``.metadata`` written last. The one-line switch::
     dcp.load(state_dict, storage_reader=ckptstream.dcp.StreamReader(path))
     dcp.async_save(state_dict, storage_writer=ckptstream.dcp.StreamWriter(path))  # device snapshot
 
+``dcp_to_torch_save`` converts such a checkpoint into one ``torch.save`` file (torch's own
+``format_utils.dcp_to_torch_save`` reads only its ``FileSystemWriter``'s). Reading a checkpoint
+runs no code from it: its pickles (``.metadata``, the non-tensor values) are read by an
+unpickler that builds only DCP's own classes and plain values (``_pickles``).
+
 Importing it imports ``torch.distributed.checkpoint``; ``import ckptstream`` alone does not.
 See docs/dcp.md.
 """
@@ -20,8 +25,8 @@ from ._metadata import METADATA_NAME, StoredChunk
 from ._rankfile import rank_file_name
 from ._reader import StreamReader
 from ._staging import Staging
-from ._tools import as_sharded, checkpoint_files
+from ._tools import as_sharded, checkpoint_files, dcp_to_torch_save
 from ._writer import StreamWriter
 
 __all__ = ["METADATA_NAME", "Staging", "StoredChunk", "StreamReader", "StreamWriter", "as_sharded",
-           "checkpoint_files", "rank_file_name"]
+           "checkpoint_files", "dcp_to_torch_save", "rank_file_name"]

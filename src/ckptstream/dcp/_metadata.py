@@ -5,28 +5,34 @@ DCP's metadata is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``
 shapes, the chunks of every tensor, the non-tensor values' names, the planner's data); each
 chunk's ``storage_data`` is a ``StoredChunk`` here. The file is written last, by the
 coordinator, once every rank's file is durable: a directory without it is not a checkpoint.
-Loading unpickles it with an allow-list of the classes such metadata holds, so a crafted
-``.metadata`` cannot run code (``trust_metadata=True`` lifts that for checkpoints whose
-planner stored other classes).
+Loading unpickles it with ``_pickles.SafeUnpickler`` and ``METADATA``, the exact set of what
+DCP's writers (and ours) put there, so a crafted ``.metadata`` cannot run code; then every
+chunk's file must be a plain name in the checkpoint's directory. ``trust_metadata=True`` is a
+plain unpickle, for checkpoints whose planner stored other classes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import errno
 import os
-import pickle
+import pathlib
 from typing import Any
 
-import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import _fileio
-from .._errors import CorruptCheckpointError
+from .._errors import CorruptCheckpointError, UnsupportedTypeError
 from .._publish import atomic_file
+from . import _pickles
 
 METADATA_NAME = ".metadata"  # DCP's name, so tools that look for a finished checkpoint find it
 FORMAT_VERSION = "1.0.0"  # DCP's metadata version of the layout we write
+# DCP's metadata grows with the number of chunks (docs/dcp.md gives a size); this bound leaves
+# room for jobs of thousands of ranks, and a larger file (a sparse one, say) is refused unread
+MAX_METADATA_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +41,7 @@ class StoredChunk:
     (a rank file in the checkpoint's directory), the tensor ``key`` of that file's safetensors
     table, and the CRC-32C of its bytes (None when saved without checksums).
 
-    (Pickled into ``.metadata`` under this module's path: keep the name and fields.)
+    (Pickled into ``.metadata`` as ``ckptstream.dcp.StoredChunk``: keep the name and fields.)
     """
 
     relative_path: str
@@ -43,6 +49,66 @@ class StoredChunk:
     length: int
     key: str
     crc: int | None = None
+
+    @property
+    def transform_descriptors(self) -> Any:
+        """Asked for by torch's FileSystemReader (2.7+), which cannot read these chunks: it
+        torch.loads each chunk, and these are a safetensors file's raw bytes."""
+        raise UnsupportedTypeError(
+            f"{self.relative_path}: this checkpoint was saved by ckptstream.dcp.StreamWriter, whose chunks are raw "
+            "tensor bytes in safetensors files; torch's FileSystemReader (and format_utils.dcp_to_torch_save, which "
+            "uses it) reads only torch.save'd chunks. Load it with ckptstream.dcp.StreamReader, convert it with "
+            "ckptstream.dcp.dcp_to_torch_save, or read its tensors with torch's HuggingFaceStorageReader")
+
+
+StoredChunk.__module__ = "ckptstream.dcp"  # its public home: stays valid wherever this module moves
+
+
+def _storage_meta_class() -> dict[tuple[str, str], type]:
+    kind = getattr(dcp_metadata, "StorageMeta", None)  # torch without it: DCP stores None
+    return {} if kind is None else {("torch.distributed.checkpoint.metadata", "StorageMeta"): kind}
+
+
+def _mem_format_encoding(value: Any) -> Any:
+    """A member of DCP's memory-format enum by its value (how an Enum member pickles)."""
+    encoding = dcp_metadata._MEM_FORMAT_ENCODING
+    if type(value) is not int or value not in encoding._value2member_map_:
+        raise _pickles.Refused(f"{value!r} is no member's value")
+    return encoding(value)
+
+
+def _path(kind: type[pathlib.PurePath]) -> Any:
+    def make(*parts: Any) -> pathlib.PurePath:  # a path object: nothing opens it
+        if not all(isinstance(p, str) for p in parts):
+            raise _pickles.Refused("a path takes strings")
+        return kind(*parts)
+
+    return make
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_PATHS = {"PosixPath": pathlib.PosixPath, "PurePosixPath": pathlib.PurePosixPath,
+          "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
+# What DCP's writers (torch 2.4-2.13) and StreamWriter pickle into .metadata, and nothing else:
+# DCP's dataclasses, the storage records of StreamWriter and of DCP's FileSystemWriter, the
+# memory-format enum of TensorProperties' state, a FileSystemWriter's path (pathlib moved its
+# classes into pathlib._local in Python 3.13), and _pickles.PLAIN's sizes, dtypes and containers.
+METADATA = _pickles.PLAIN | _pickles.Allowed(
+    classes={
+        **{(_DCP, name): getattr(dcp_metadata, name) for name in (
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "MetadataIndex")},
+        **_storage_meta_class(),
+        ("ckptstream.dcp", "StoredChunk"): StoredChunk,
+        ("ckptstream.dcp._metadata", "StoredChunk"): StoredChunk,  # its name in earlier checkpoints
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    },
+    calls={
+        (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
+        **{(module, name): _path(kind) for name, kind in _PATHS.items() for module in ("pathlib", "pathlib._local")},
+    },
+    values={},
+)  # fmt: skip
 
 
 def metadata_name(rank: int | None) -> str:
@@ -54,70 +120,78 @@ def write_metadata(directory: str, metadata: Metadata, rank: int | None) -> str:
     """Pickle ``metadata`` into the checkpoint's directory atomically (temp, fsync, rename,
     directory fsync); returns its path."""
     path = os.path.join(directory, metadata_name(rank))
-    data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _pickles.dumps(metadata)
     with atomic_file(path) as file:
         _fileio.pwrite_all(file.fd, memoryview(data), 0, file.path)
     return path
 
 
-# What DCP's metadata holds: its own dataclasses, torch.Size, dtypes, layouts and memory
-# formats, the checkpoint's path, and the storage records of ours (and of DCP's file writer,
-# only so that such a checkpoint gets a clear error instead of a refusal to unpickle).
-_ALLOWED_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
-_ALLOWED = frozenset({
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib", "Path"),
-    (__name__, "StoredChunk"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-})  # fmt: skip
-_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, path: str) -> None:
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
-            return getattr(torch, name)
-        raise CorruptCheckpointError(
-            f"{self._path}: the metadata refers to {module}.{name}, which is not among the classes a DCP "
-            "checkpoint's metadata holds, so loading it could run code from the file; if you trust this "
-            "checkpoint (a custom planner that stores other objects), pass StreamReader(..., trust_metadata=True)")
-
-
 def read_metadata(directory: str, rank: int | None, *, trusted: bool) -> Metadata:
-    """The unpickled ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint in ``directory``."""
+    """The unpickled ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint in ``directory``,
+    its chunks' files checked to be plain names in the directory."""
     path = os.path.join(directory, metadata_name(rank))
+    data = _read_file(path, directory, rank)
+    if trusted:  # the caller vouched for the file
+        try:
+            metadata = _pickles.loads_trusted(data)
+        except Exception as e:  # a truncated or damaged pickle fails in many ways
+            raise CorruptCheckpointError(f"{path}: the checkpoint's metadata cannot be read ({type(e).__name__}: "
+                                         f"{e}); it is damaged, or not a DCP checkpoint") from e
+    else:
+        metadata = _pickles.loads(data, METADATA, path, "the checkpoint's metadata")
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
+    check_storage(metadata, path)
+    return metadata
+
+
+def _read_file(path: str, directory: str, rank: int | None) -> bytes:
+    """The bytes of a regular file, opened without blocking (a FIFO, a device, a directory
+    named .metadata is refused) and at most MAX_METADATA_BYTES long."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = _fileio.open_path(path, os.O_RDONLY, "opening the checkpoint's metadata")
     except FileNotFoundError as e:
         what = "" if os.path.isdir(directory) else " (the directory does not exist)"
         raise FileNotFoundError(e.errno, f"no {metadata_name(rank)}{what}: not a complete DCP checkpoint (a save "
                                          "that did not finish leaves none); load an earlier checkpoint", path) from e
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EISDIR):  # not a regular file
+            raise
+        raise CorruptCheckpointError(f"{path}: {e.strerror}; a DCP checkpoint's metadata is a regular file") from e
     try:
-        # trusted: the caller vouched for the file
-        metadata = pickle.loads(data) if trusted else _MetadataUnpickler(io.BytesIO(data), path).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # a truncated or damaged pickle fails in many ways
-        raise CorruptCheckpointError(f"{path}: the checkpoint's metadata cannot be read ({type(e).__name__}: "
-                                     f"{e}); it is damaged, or not a DCP checkpoint") from e
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
-    return metadata
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} that a DCP "
+                                         "checkpoint's metadata may take; it is damaged or not DCP's metadata")
+        data = bytearray(size)
+        got = _fileio.pread_into(fd, memoryview(data), 0, path)
+    finally:
+        os.close(fd)
+    if got != size:
+        raise CorruptCheckpointError(f"{path}: ended after {got} of its {size} bytes (it changed while read)")
+    return bytes(data)
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name in a directory: not a path (no separator), not empty, '.' or '..', no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and os.sep not in name
+            and (os.altsep is None or os.altsep not in name))
+
+
+def check_storage(metadata: Metadata, path: str) -> None:
+    """Every chunk's storage record names a file of the checkpoint's directory by a plain name:
+    a record pointing out of it (``../x``, ``/etc/x``, ``a/b``) is refused before anything is
+    read or listed."""
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        return  # not a file writer's (StreamReader says so); nothing to list
+    for index, record in data.items():
+        name = getattr(record, "relative_path", None)
+        if isinstance(record, (StoredChunk, _StorageInfo)) and not is_plain_name(name):
+            fqn = getattr(index, "fqn", index)
+            raise CorruptCheckpointError(
+                f"{path}: the chunk of {fqn!r} is stored in {name!r}, which is not a file name in the checkpoint's "
+                "directory (a path out of it, or no name); the metadata is crafted or damaged")
 
 
 class CheckpointDirectory:

@@ -6,8 +6,9 @@ tensor (that is resharding: a chunk saved by one rank may feed several ranks, a 
 gather several chunks). ``read_data`` groups this rank's read items by file and reads each file
 in one pass (``CheckpointReader.read_slices``), sorted by offset: only the boxes' bytes are read,
 straight into the destinations on their own devices (narrowed, often non-contiguous views).
-A chunk read whole is compared with its CRC-32C; non-tensor values come back through
-``planner.load_bytes``.
+A chunk read whole is compared with its CRC-32C. Non-tensor values come back through
+``planner.load_bytes``, which unpickles them (DCP's planner with ``weights_only=False``): they
+are read with ``_pickles.plain_value`` first, and the planner gets bytes made from plain data.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .._engine.layout import host_bytes
 from .._errors import CorruptCheckpointError
 from .._reader import CheckpointReader, TensorEntry
 from .._settings import INHERIT, call_settings
-from . import _metadata
+from . import _metadata, _pickles
 from ._metadata import StoredChunk
 
 # DCP 2.9-2.11 catches the errors of read_metadata (it then tries the rank's own metadata) and
@@ -45,14 +46,21 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
         path: the checkpoint's directory; ``dcp.load(..., checkpoint_id=...)`` replaces it.
         checksum: compare every chunk read whole with its stored CRC-32C (a chunk read in part,
             when resharding cuts it, cannot be checked).
-        trust_metadata: unpickle ``.metadata`` without the allow-list of DCP's classes (only for
-            checkpoints you trust whose planner stored objects of its own).
+        trust_metadata: unpickle ``.metadata`` and the non-tensor values as they are, which runs
+            whatever code the pickles name: only for checkpoints you trust whose planner or state
+            stored objects of their own classes. Without it, ``.metadata`` holds only DCP's own
+            classes and plain values, and every non-tensor value only plain data (numbers,
+            strings, bytes, containers of them, torch sizes and dtypes); anything else is refused
+            with CorruptCheckpointError.
         buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
             (those in force when the reader is made) for this reader's transfers.
 
     Raises (from ``dcp.load``):
         CorruptCheckpointError: a rank file fails its checksums or is not the file the
-            checkpoint's metadata describes, naming the file and the tensor.
+            checkpoint's metadata describes, naming the file and the tensor; the metadata or a
+            non-tensor value holds what such pickles never hold, naming the file and the class;
+            a chunk is stored under a name that is not a file of the checkpoint's directory; the
+            metadata is not a regular file.
         FileNotFoundError: no ``.metadata`` (a save that did not finish), or a missing rank file.
             From torch 2.9 DCP raises an AssertionError instead when the metadata fails, with
             the reader's message from 2.12; on 2.9-2.11 the reader warns (RuntimeWarning) with it.
@@ -100,6 +108,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.path}: the checkpoint's chunks are stored as {kinds}, not by ckptstream.dcp.StreamWriter; "
                 "load it with the reader of the writer that saved it (torch's FileSystemReader for FileSystemWriter)")
+        # read_metadata checked the files' names; so is metadata that came another way
+        _metadata.check_storage(metadata, os.path.join(self.path, _metadata.METADATA_NAME))
         self.storage_data = data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -141,12 +151,19 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             reader.read_slices(requests, checksum=self.checksum)
         for item, into, dst in landing:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(bytes(host_bytes(into)) if into.numel() else b""))
+                planner.load_bytes(item, self._value(bytes(host_bytes(into)) if into.numel() else b"", path, item))
                 continue
             if into is not dst:  # saved in another dtype: converted as DCP's own readers do
                 with torch.no_grad():
                     dst.copy_(into)
             planner.commit_tensor(item, dst)
+
+    def _value(self, raw: bytes, path: str, item: ReadItem) -> io.BytesIO:
+        """A non-tensor value's torch.save bytes for the planner: as stored when trusted,
+        otherwise remade from the plain data they hold."""
+        if self.trust_metadata:
+            return io.BytesIO(raw)
+        return _pickles.plain_value(raw, path, item.storage_index.fqn)
 
 
 def _entry(reader: CheckpointReader, chunk: StoredChunk, path: str, fqn: str) -> TensorEntry:

@@ -1,4 +1,5 @@
-"""Small tools around DCP checkpoints: per-rank shards as DTensors, a checkpoint's files."""
+"""Small tools around DCP checkpoints: per-rank shards as DTensors, a checkpoint's files, and
+the conversion to one ``torch.save`` file that torch's ``format_utils`` does for its own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._publish import atomic_file
 from . import _metadata
 
 
@@ -58,9 +60,56 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     """The files of the DCP checkpoint in directory ``path`` (written by ``StreamWriter`` or by
-    torch's ``FileSystemWriter``): its ``.metadata`` and every data file it records, sorted."""
+    torch's ``FileSystemWriter``): its ``.metadata`` and every data file it records, sorted.
+
+    Raises:
+        CorruptCheckpointError: the metadata holds what DCP's never does (it is read as
+            ``StreamReader`` reads it, running no code), a data file's name is not a plain name
+            in the directory, or ``.metadata`` is not a regular file.
+        FileNotFoundError: no ``.metadata`` (not a complete checkpoint).
+    """
     directory = os.fspath(path)
     metadata = _metadata.read_metadata(directory, None, trusted=False)
     names = {getattr(chunk, "relative_path", None) for chunk in (metadata.storage_data or {}).values()}
     paths = [os.path.join(directory, n) for n in names if isinstance(n, str)]
     return sorted([os.path.join(directory, _metadata.METADATA_NAME), *paths])
+
+
+def dcp_to_torch_save(path: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], *,
+                      trust_metadata: bool = False) -> None:
+    """Convert the checkpoint that ``StreamWriter`` saved in directory ``path`` into one
+    ``torch.save`` file of the whole state (the global tensors, put together from every rank's
+    chunks, and the non-tensor values), as torch's ``format_utils.dcp_to_torch_save`` does for
+    checkpoints of its ``FileSystemWriter`` (its reader cannot read ours). The whole state is
+    held in host memory, once; the file is published atomically.
+
+    Args:
+        trust_metadata: as for ``StreamReader`` (runs code the checkpoint's pickles name).
+
+    Raises:
+        CorruptCheckpointError, FileNotFoundError: as ``StreamReader`` (the first rank's error,
+            not DCP's CheckpointException around it).
+
+    Example:
+        >>> ckptstream.dcp.dcp_to_torch_save("ckpt/step-100", "step-100.pt")
+        >>> state = torch.load("step-100.pt", weights_only=True)
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from ._reader import StreamReader
+
+    # read first here, so that its errors come as they are (DCP 2.9+ turns them into assertions)
+    _metadata.read_metadata(os.fspath(path), None, trusted=trust_metadata)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=StreamReader(path, trust_metadata=trust_metadata),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as e:
+        errors = [error for error, _ in e.failures.values() if isinstance(error, Exception)]
+        if len(errors) == 1:
+            raise errors[0] from e
+        raise
+    with atomic_file(torch_save_path) as file, open(file.fd, "wb", closefd=False) as out:
+        torch.save(state, out)

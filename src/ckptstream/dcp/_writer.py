@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._engine import Mark, mark
+from .._publish import fsync_dir
 from .._settings import INHERIT, call_settings
 from . import _metadata, _rankfile, _staging
 from ._staging import Staging
@@ -93,15 +94,16 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         if self.rank is None:
             return plan
         if not self.use_collectives:  # this rank's own metadata, written last again
-            _remove(os.path.join(self.path, _metadata.metadata_name(self.rank)))
+            _remove_durably(self.path, [_metadata.metadata_name(self.rank)])
         return dataclasses.replace(plan, storage_data=_rankfile.rank_file_name(self.rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = [p if isinstance(p.storage_data, str) else
                  dataclasses.replace(p, storage_data=_rankfile.rank_file_name(i)) for i, p in enumerate(plans)]
         if self.use_collectives:  # the coordinator's view of the whole save (without: each rank's own)
-            # no rank writes before this returns: an old checkpoint here stops being one first
-            _remove(os.path.join(self.path, _metadata.METADATA_NAME))
+            # no rank writes before this returns: an old checkpoint here stops being one first,
+            # durably (a crash that kept a new rank file must not bring its old .metadata back)
+            _remove_durably(self.path, [_metadata.METADATA_NAME])
             _rankfile.remove_leftovers(self.path, keep={p.storage_data for p in plans})
         return plans
 
@@ -198,6 +200,13 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self._staged.set()
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _remove_durably(directory: str, names: list[str]) -> None:
+    """Unlink ``names`` from ``directory`` and fsync it, so that the removal is on disk before
+    any file of the new save is."""
+    removed = False
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            removed = True
+    if removed:
+        fsync_dir(directory)
