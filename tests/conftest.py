@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import DirectIO, _fileio
+from ckptstream import DirectIO
+from ckptstream._storage import fileio
 from helpers import CUDA, READ_CALLS, direct_io_supported
 
 
@@ -66,7 +67,7 @@ def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
         return call
 
     for name in ("pwrite_all", *READ_CALLS):
-        monkeypatch.setattr(_fileio, name, delayed(getattr(_fileio, name)))
+        monkeypatch.setattr(fileio, name, delayed(getattr(fileio, name)))
 
 
 @pytest.fixture

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
-from ckptstream import _fileio, _header, _publish
+from ckptstream import _header
 from ckptstream._engine.layout import flat_bytes
 from ckptstream._header import DTYPE_NAMES
+from ckptstream._storage import fileio, publish
 from helpers import (
     EDGE_CASES,
     FLOAT4,
@@ -518,15 +519,15 @@ def test_header_over_the_limit_fails_before_any_file(tmp_path: Path, monkeypatch
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> itertools.count[int]:
-    """Counts calls of ``_fileio.<name>``."""
+    """Counts calls of ``fileio.<name>``."""
     calls = itertools.count()
-    real = getattr(_fileio, name)
+    real = getattr(fileio, name)
 
     def counted(*args: Any) -> Any:
         next(calls)
         return real(*args)
 
-    monkeypatch.setattr(_fileio, name, counted)
+    monkeypatch.setattr(fileio, name, counted)
     return calls
 
 
@@ -569,12 +570,12 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
     error = make_error()
     if where == "fsync":
-        fail_on_call(monkeypatch, _fileio, "fsync", 0, error)
+        fail_on_call(monkeypatch, fileio, "fsync", 0, error)
     elif where == "rename":
         fail_on_call(monkeypatch, os, "replace", 0, error)  # the rename that publishes the file
     else:
         k = {"header": 0, "first_chunk": 1, "middle_chunk": writes // 2, "checksum_header": writes - 1}[where]
-        fail_on_call(monkeypatch, _fileio, "pwrite_all", k, error)
+        fail_on_call(monkeypatch, fileio, "pwrite_all", k, error)
     with pytest.raises(type(error)) as e:
         ckptstream.save(state, path, **options)
     if e.value is not error:  # an OS error may come back naming the file, from the one injected
@@ -594,8 +595,8 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
 def test_stale_temps_of_dead_writers_are_removed(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    this_host = os.path.basename(_publish.temp_path_for(str(path))).rsplit("-", 2)[0]  # .<name><mark><host>
-    other_file = os.path.basename(_publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
+    this_host = os.path.basename(publish.temp_path_for(str(path))).rsplit("-", 2)[0]  # .<name><mark><host>
+    other_file = os.path.basename(publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
     dead = subprocess.Popen(["true"])
     dead.wait()
     live = subprocess.Popen(["sleep", "60"])
@@ -603,7 +604,7 @@ def test_stale_temps_of_dead_writers_are_removed(tmp_path: Path) -> None:
         stale = tmp_path / f"{this_host}-{dead.pid}-0123456789ab"
         running = tmp_path / f"{this_host}-{live.pid}-0123456789ab"
         not_ours = tmp_path / f"{other_file}-{dead.pid}-0123456789ab"
-        other_host = tmp_path / f".ckpt.safetensors{_publish.TEMP_MARK}no-such-host.invalid-{dead.pid}-0123456789ab"
+        other_host = tmp_path / f".ckpt.safetensors{publish.TEMP_MARK}no-such-host.invalid-{dead.pid}-0123456789ab"
         for temp in (stale, running, not_ours, other_host):
             temp.write_bytes(b"partial")
         state = {"w": random_tensor(10)}

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _fileio
 from ckptstream._errors import UnsupportedTypeError
+from ckptstream._storage import fileio
 
 CUDA = torch.cuda.is_available()
 
@@ -216,7 +216,7 @@ def test_meta_device_gives_the_structure_and_reads_no_data(device: Any, saved: t
     with ckptstream.open(path) as reader:
         data_start = reader.header.data_start
     reads: list[tuple[int, int]] = []
-    pread_into, preadv_all = _fileio.pread_into, _fileio.preadv_all
+    pread_into, preadv_all = fileio.pread_into, fileio.preadv_all
 
     def counting_pread(fd: int, view: memoryview, offset: int, where: str) -> int:
         reads.append((offset, len(view)))
@@ -226,8 +226,8 @@ def test_meta_device_gives_the_structure_and_reads_no_data(device: Any, saved: t
         reads.append((offset, sum(len(v) for v in views)))
         return preadv_all(fd, views, offset, where)
 
-    monkeypatch.setattr(_fileio, "pread_into", counting_pread)
-    monkeypatch.setattr(_fileio, "preadv_all", counting_preadv)
+    monkeypatch.setattr(fileio, "pread_into", counting_pread)
+    monkeypatch.setattr(fileio, "preadv_all", counting_preadv)
     back = ckptstream.load(path, device=device)
     data_reads = [r for r in reads if r[0] >= data_start]
     assert data_reads == []

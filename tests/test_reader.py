@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import _fileio
+from ckptstream._storage import fileio
 from helpers import (
     MiB,
     as_bytes,
@@ -276,7 +276,7 @@ def test_a_corrupt_tensor_is_named_by_its_key_path(saved: Any, key: str) -> None
 def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(offset, length) of every read of file data from now on."""
     reads: list[tuple[int, int]] = []
-    real_pread, real_preadv = _fileio.pread_into, _fileio.preadv_all
+    real_pread, real_preadv = fileio.pread_into, fileio.preadv_all
 
     def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
         reads.append((offset, len(view)))
@@ -286,8 +286,8 @@ def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         reads.append((offset, sum(len(v) for v in views)))
         return real_preadv(fd, views, offset, path)
 
-    monkeypatch.setattr(_fileio, "pread_into", pread_into)
-    monkeypatch.setattr(_fileio, "preadv_all", preadv_all)
+    monkeypatch.setattr(fileio, "pread_into", pread_into)
+    monkeypatch.setattr(fileio, "preadv_all", preadv_all)
     return reads
 
 

@@ -24,8 +24,8 @@ from typing import Any, ParamSpec, TypedDict, TypeVar
 import torch
 
 import ckptstream
-from ckptstream import _fileio
 from ckptstream._engine.buffers import POOL
+from ckptstream._storage import fileio
 
 SMALL: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
 P = ParamSpec("P")
@@ -102,8 +102,8 @@ def main() -> int:
     # a shell that starts a job in the background has it ignore SIGINT; Ctrl-C is what is tested here
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(seed)
-    _fileio.pwrite_all = slowed(_fileio.pwrite_all)
-    _fileio.pread_into = slowed(_fileio.pread_into)
+    fileio.pwrite_all = slowed(fileio.pwrite_all)
+    fileio.pread_into = slowed(fileio.pread_into)
     state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
     path = os.path.join(directory, "ckpt.safetensors")
     ckptstream.save(state, path, **SMALL)

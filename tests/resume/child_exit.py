@@ -30,7 +30,7 @@ def failing_after(chunks: int) -> None:
     def write(self: WriteEngine, chunk: Any, buf: Any) -> None:
         count[0] += 1
         if count[0] > chunks:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.name)
         real(self, chunk, buf)
 
     WriteEngine._write = write  # type: ignore[method-assign]
