@@ -36,6 +36,7 @@ from helpers import (
     random_bytes,
     random_tensor,
 )
+from memstore import Place
 
 KiB = 1 << 10
 STORABLE_EDGE_CASES = [c for c in EDGE_CASES if c.dtype in DTYPE_NAMES]
@@ -134,19 +135,19 @@ def parameters_bytes(model: nn.Module) -> list[bytes]:
     return [p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for p in model.parameters()]
 
 
-def test_training_state_round_trip(device: torch.device, tmp_path: Path) -> None:
+def test_training_state_round_trip(device: torch.device, place: Place) -> None:
     model, opt = make_training(device)
     train(model, opt, 3)
     state = training_state(model, opt)
     assert isinstance(state["optim"]["state"][0]["exp_avg"], torch.Tensor)  # the optimizer state exists
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path)
 
     for where in (str(device), "cpu"):
         loaded = ckptstream.load(path, device=where)
         assert_same(loaded, state, device=where)
         assert loaded["model"]["emb.weight"] is loaded["model"]["head.weight"]  # tied: one tensor
-    names = set(header_of(path)[1]) - {"__metadata__"}
+    names = set(place.header(path)) - {"__metadata__"}
     assert "model.emb.weight" in names
     assert "model.head.weight" not in names
 
@@ -232,11 +233,11 @@ ROOTS: list[tuple[str, Callable[[], Any]]] = [
 
 
 @pytest.mark.parametrize("make", [m for _, m in ROOTS], ids=[n for n, _ in ROOTS])
-def test_structure_round_trip(make: Callable[[], Any], tmp_path: Path) -> None:
-    state = make()
-    ckptstream.save(state, tmp_path / "ckpt.safetensors")
-    ckptstream.verify(tmp_path / "ckpt.safetensors")
-    assert_same(ckptstream.load(tmp_path / "ckpt.safetensors"), state)
+def test_structure_round_trip(make: Callable[[], Any], place: Place) -> None:
+    state, path = make(), place.path("ckpt.safetensors")
+    ckptstream.save(state, path)
+    ckptstream.verify(path)
+    assert_same(ckptstream.load(path), state)
 
 
 def test_dict_order_differs_from_file_order(tmp_path: Path) -> None:
@@ -250,12 +251,12 @@ def test_dict_order_differs_from_file_order(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513, 4096])
-def test_edge_case_tensors_round_trip(device: torch.device, tmp_path: Path, buffer_size: int | None) -> None:
+def test_edge_case_tensors_round_trip(device: torch.device, place: Place, buffer_size: int | None) -> None:
     """Every storable edge case, plus tensors that span many chunks of a small buffer; checksums on."""
     state: dict[str, Any] = {c.name: c.source(device) for c in STORABLE_EDGE_CASES}
     state["spans_chunks"] = random_tensor(3001, torch.float32, device)
     state["spans_chunks_transposed"] = random_tensor((70, 53), torch.bfloat16, device).t()
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path, buffer_size=buffer_size, num_buffers=2)
     ckptstream.verify(path)
     for where in (device, "cpu"):
