@@ -68,6 +68,8 @@ class MemStorage(Storage):
         self._writes = itertools.count(1)
         self._reads = itertools.count(1)
         self.dead = False  # a Crash happened: the sinks of the dead process do nothing more
+        self.process = 0  # the writing process: sinks belong to the one that made them
+        self.gone: set[int] = set()  # processes that crashed
 
     # --- faults -----------------------------------------------------------------------------
 
@@ -88,10 +90,10 @@ class MemStorage(Storage):
             raise f.error(name)
 
     def restart(self) -> None:
-        """A new process: faults cleared, the crashed writers' leftovers still pending."""
+        """A new process after a crash: faults cleared, the dead process's uploads still pending."""
+        self.gone.add(self.process)
+        self.process += 1
         self.faults, self.dead = Faults(), False
-        for sink in self.pending.values():
-            sink.orphan = True
 
     def flip(self, name: str, offset: int) -> None:
         """Corrupt one bit of the byte at ``offset`` of the object ``name``."""
@@ -159,7 +161,7 @@ class MemStorage(Storage):
 
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         with self.lock:
-            gone = [s for s in self.pending.values() if s.name == path and (s.orphan or not stale_only)]
+            gone = [s for s in self.pending.values() if s.name == path and (s.process in self.gone or not stale_only)]
             for sink in gone:
                 del self.pending[sink.id]
         return [f"{s.name}#{s.id}" for s in gone]
@@ -183,7 +185,7 @@ class MemSink(Sink):
         self.data = bytearray()
         self.writes: list[tuple[int, int]] = []  # (offset, length) of every write, in order
         self.state: Literal["open", "published", "abandoned"] = "open"
-        self.orphan = False  # its writer is gone (a crashed process's): a stale upload
+        self.process = store.process
         self._lock = threading.Lock()
 
     def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
