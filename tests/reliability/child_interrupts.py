@@ -58,6 +58,8 @@ def file_fds() -> dict[int, str]:
 
 
 def signaller(count: int, rng: random.Random, window: float) -> threading.Thread:
+    """A thread (not started: its start belongs inside the block that catches the interrupts)
+    that sends ``count`` SIGINTs to this process."""
     def run() -> None:
         time.sleep(rng.uniform(0, window))
         for i in range(count):
@@ -65,9 +67,7 @@ def signaller(count: int, rng: random.Random, window: float) -> threading.Thread
                 time.sleep(rng.uniform(0.0001, 0.010))
             os.kill(os.getpid(), signal.SIGINT)
 
-    thread = threading.Thread(target=run, name="test-signaller")
-    thread.start()
-    return thread
+    return threading.Thread(target=run, name="test-signaller")
 
 
 late: list[int] = []  # signals of a burst that came after the operation had ended
@@ -115,6 +115,7 @@ def main() -> int:
         thread = signaller(rng.choice((2, 3)), rng, window=0.03)
         seen = None
         try:
+            thread.start()  # a signal may land before start() returns: it is caught below too
             if op == "save":
                 ckptstream.save(state, path, **SMALL)
             else:
