@@ -1,10 +1,10 @@
 """The read engine: file -> tensors.
 
 Per chunk, on the I/O thread that claimed it: wait until the staging buffer's previous
-host-to-device copies are done -> read the chunk from the source -> enqueue the copies into the tensors (side
-streams) -> record events (the buffer is free again once they complete) -> checksum the buffer
-while the device copies it. Loads into CUDA tensors checksum large contiguous tensors on the
-device instead, once every copy is queued (see gpucrc).
+host-to-device copies are done -> read the chunk from the source -> enqueue the copies into the
+tensors (side streams) -> record events (the buffer is free again once they complete) ->
+checksum the buffer while the device copies it. Loads into CUDA tensors checksum large
+contiguous tensors on the device instead, once every copy is queued (see gpucrc).
 
 Copies into non-contiguous tensors take turns in file order across the threads: an element cut
 by a chunk's end waits in a carry until the next chunk completes it.
