@@ -266,11 +266,20 @@ def test_memory_unaligned_with_its_offsets_is_written_buffered_under_o_direct(tm
         sink.write_at(memoryview(staging)[100:], 3 * 4096 + 100)  # its aligned middle goes direct
         assert not sink._direct_writes_refused
         monkeypatch.undo()
-    staging.close()
     assert [w for w in writes if w[0] == direct_fd] == [(direct_fd, 4 * 4096, 3 * 4096)]
     assert [w[1:] for w in writes if w[0] != direct_fd] == [(0, 2 * 4096), (2 * 4096, 4096 + 100),
                                                             (3 * 4096 + 100, 4096 - 100), (7 * 4096, 0)]
     assert path.read_bytes() == data
+
+    with LOCAL.open(str(path)) as source:  # reads alike: whole blocks into staging memory go direct
+        assert source.grid(4 * 4096, DirectIO.ON) == 4096
+        header = bytearray(2 * 4096 + 1)  # from byte 1: off the grid
+        assert source.read_into(memoryview(header)[1:], 0) == 2 * 4096
+        assert source.read_into(memoryview(staging), 3 * 4096) == 4 * 4096
+        assert source._direct_fd is not None
+    assert bytes(header[1:]) == data[: 2 * 4096]
+    assert staging[:] == data[3 * 4096 :]
+    staging.close()
 
 
 # --- the grid: what an object store's multipart upload relies on ----------------------------------------

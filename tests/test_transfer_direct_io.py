@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +50,40 @@ def test_direct_io_setting_decides_o_direct(tmp_path: Path, monkeypatch: pytest.
     with ckptstream.settings(direct_io="auto"):
         assert round_trip(8192) == [True]  # writes only: reads keep the page cache
         assert round_trip(10000) == []  # unaligned buffers cannot go direct
+
+
+@pytest.mark.parametrize("offset", [0, 4096 + 7])
+def test_direct_io_on_moves_every_chunk_through_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         offset: int) -> None:
+    """Under direct_io='on' the staged chunks move through the O_DIRECT twin (whole blocks;
+    the unaligned edges of a write go buffered), not silently through the page cache."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    calls: list[tuple[str, bool, int, int]] = []  # (call, O_DIRECT?, offset, bytes)
+
+    def spy(name: str) -> Any:
+        real = getattr(fileio, name)
+
+        def call(fd: int, view: memoryview, at: int, path: str) -> Any:
+            calls.append((name, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), at, len(view)))
+            return real(fd, view, at, path)
+        return call
+
+    for name in ("pwrite_all", "pread_into"):
+        monkeypatch.setattr(fileio, name, spy(name))
+    src = random_bytes(6 * 4096 + 123)
+    path = tmp_path / "t.bin"
+    with ckptstream.settings(direct_io="on", buffer_size=8192, num_buffers=2):
+        ckptstream.device_to_file(src, path, offset=offset)
+        dst = poisoned_like(src.view(-1, 1)).t()  # non-contiguous: through the staging buffers
+        ckptstream.file_to_device(path, dst, offset=offset)
+    assert_bytes_equal(dst, src.view(1, -1))
+    writes = [(d, at, n) for name, d, at, n in calls if name == "pwrite_all" and n]
+    reads = [(d, at, n) for name, d, at, n in calls if name == "pread_into"]
+    assert all(d == (at % 4096 == 0 and n % 4096 == 0) for d, at, n in writes), writes  # aligned: direct
+    assert sum(n for d, _, n in writes if d) >= len(src) - 2 * 4096
+    assert reads
+    assert all(d and at % 4096 == 0 and n % 4096 == 0 for d, at, n in reads), reads
 
 
 def test_direct_io_needs_aligned_buffers(tmp_path: Path) -> None:
