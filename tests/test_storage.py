@@ -9,8 +9,7 @@ import errno
 import mmap
 import os
 import re
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,8 +47,8 @@ def test_an_unknown_scheme_is_a_clear_typed_error(url: str, tmp_path: Path) -> N
 
 
 @pytest.fixture
-def builtin(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """The table of schemes whose implementation is imported on first use, for the test."""
+def builtin(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Callable[[], Storage]]]:
+    """The table of built-in schemes, for the test."""
     monkeypatch.setattr(dispatch, "BUILTIN", {})
     monkeypatch.setattr(dispatch, "EXTRAS", {})
     yield dispatch.BUILTIN
@@ -57,16 +56,26 @@ def builtin(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
         register(scheme, None)
 
 
-def test_a_builtin_scheme_imports_its_implementation_on_first_use(builtin: dict[str, str]) -> None:
-    sys.modules.pop("lazystore", None)
-    builtin["lazy"] = "memstore:MemStorage"
-    builtin["absent"] = "ckptstream._storage.no_such_module:Storage"
+def test_a_builtin_scheme_makes_its_storage_on_first_use(builtin: dict[str, Callable[[], Storage]]) -> None:
+    made: list[MemStorage] = []
+
+    def lazy() -> Storage:  # where an implementation imports its module and client library
+        made.append(MemStorage())
+        return made[-1]
+
+    def absent() -> Storage:
+        raise ModuleNotFoundError("No module named 'some_client'")
+
+    builtin["lazy"], builtin["absent"] = lazy, absent
     dispatch.EXTRAS["absent"] = "absent"
-    made = storage_for("lazy://bucket/a")
-    assert isinstance(made, MemStorage)
-    assert storage_for("lazy://bucket/b") is made  # one storage per scheme
+    assert made == []
+    assert storage_for("lazy://bucket/a") is made[0]
+    assert storage_for("lazy://bucket/b") is made[0]  # one storage per scheme
+    assert len(made) == 1
     with pytest.raises(UnsupportedStorageError, match=r"pip install 'ckptstream\[absent\]'"):
         storage_for("absent://bucket/a")
+    with pytest.raises(UnsupportedStorageError, match="lazy://"):  # the known schemes are named
+        storage_for("other://bucket/a")
 
 
 def test_register_checks_the_scheme() -> None:

@@ -26,7 +26,7 @@ class LocalStorage(Storage):
     is refused without waiting for its other end."""
 
     def open(self, path: str) -> FileSource:
-        return FileSource(fileio.open_path(path, os.O_RDONLY, "opening for reading"), path, owned=True)
+        return FileSource(fileio.open_path(path, os.O_RDONLY, "opening the checkpoint"), path, owned=True)
 
     def create(self, path: str) -> AtomicSink:
         return AtomicSink(path)
