@@ -3,6 +3,8 @@
 - ``device``: every test taking it runs on ``cpu`` and, marked ``gpu``, on ``cuda``;
 - one collection hook skips ``gpu``-marked tests where torch sees no CUDA device;
 - ``direct_io``: a test runs under each O_DIRECT mode; ``jitter``: I/O threads finish out of order;
+- ``mem``: an in-memory storage served for ``mem://`` URLs; ``place``: a test runs on the local
+  file system and on that storage;
 - every test draws its random data from a seed of its own.
 """
 
@@ -19,8 +21,10 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import DirectIO, _fileio
+from ckptstream import DirectIO
+from ckptstream._storage import fileio, register
 from helpers import CUDA, READ_CALLS, direct_io_supported
+from memstore import MemStorage, Place
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,6 +59,24 @@ def direct_io(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Direct
 
 
 @pytest.fixture
+def mem() -> Iterator[MemStorage]:
+    """A fresh in-memory storage, serving ``mem://`` URLs for the test."""
+    store = MemStorage()
+    register("mem", lambda: store)
+    try:
+        yield store
+    finally:
+        register("mem", None)
+
+
+@pytest.fixture(params=["local", "mem"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    """Where the test's checkpoints live: ``tmp_path``, or an in-memory storage (``mem://``)."""
+    store = request.getfixturevalue("mem") if request.param == "mem" else None
+    return Place(request.param, tmp_path, store)
+
+
+@pytest.fixture
 def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Short random sleeps before every pwrite/pread, so that I/O threads finish out of order."""
     rng = random.Random(1234)
@@ -66,7 +88,7 @@ def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
         return call
 
     for name in ("pwrite_all", *READ_CALLS):
-        monkeypatch.setattr(_fileio, name, delayed(getattr(_fileio, name)))
+        monkeypatch.setattr(fileio, name, delayed(getattr(fileio, name)))
 
 
 @pytest.fixture

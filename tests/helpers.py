@@ -255,7 +255,7 @@ def fail_on_call(k: int, real: Callable[..., Any], exc: Callable[[str], BaseExce
         with lock:
             n = next(calls)
         if n == k:
-            raise exc(args[-1])  # the _fileio primitives take the path last
+            raise exc(args[-1])  # the storage.fileio primitives take the path last
         return real(*args)
     return call
 

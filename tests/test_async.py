@@ -70,7 +70,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, at_chunk: int = 2) -> None:
     def failing(self: WriteEngine, chunk: Any, buf: Any) -> None:
         count[0] += 1
         if count[0] > at_chunk:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.name)
         real(self, chunk, buf)
 
     monkeypatch.setattr(WriteEngine, "_write", failing)

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
-from ckptstream import _fileio, _header, _publish
+from ckptstream import _header
 from ckptstream._engine.layout import flat_bytes
 from ckptstream._header import DTYPE_NAMES
+from ckptstream._storage import fileio, publish
 from helpers import (
     EDGE_CASES,
     FLOAT4,
@@ -35,6 +36,7 @@ from helpers import (
     random_bytes,
     random_tensor,
 )
+from memstore import Place
 
 KiB = 1 << 10
 STORABLE_EDGE_CASES = [c for c in EDGE_CASES if c.dtype in DTYPE_NAMES]
@@ -133,19 +135,19 @@ def parameters_bytes(model: nn.Module) -> list[bytes]:
     return [p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for p in model.parameters()]
 
 
-def test_training_state_round_trip(device: torch.device, tmp_path: Path) -> None:
+def test_training_state_round_trip(device: torch.device, place: Place) -> None:
     model, opt = make_training(device)
     train(model, opt, 3)
     state = training_state(model, opt)
     assert isinstance(state["optim"]["state"][0]["exp_avg"], torch.Tensor)  # the optimizer state exists
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path)
 
     for where in (str(device), "cpu"):
         loaded = ckptstream.load(path, device=where)
         assert_same(loaded, state, device=where)
         assert loaded["model"]["emb.weight"] is loaded["model"]["head.weight"]  # tied: one tensor
-    names = set(header_of(path)[1]) - {"__metadata__"}
+    names = set(place.header(path)) - {"__metadata__"}
     assert "model.emb.weight" in names
     assert "model.head.weight" not in names
 
@@ -231,11 +233,11 @@ ROOTS: list[tuple[str, Callable[[], Any]]] = [
 
 
 @pytest.mark.parametrize("make", [m for _, m in ROOTS], ids=[n for n, _ in ROOTS])
-def test_structure_round_trip(make: Callable[[], Any], tmp_path: Path) -> None:
-    state = make()
-    ckptstream.save(state, tmp_path / "ckpt.safetensors")
-    ckptstream.verify(tmp_path / "ckpt.safetensors")
-    assert_same(ckptstream.load(tmp_path / "ckpt.safetensors"), state)
+def test_structure_round_trip(make: Callable[[], Any], place: Place) -> None:
+    state, path = make(), place.path("ckpt.safetensors")
+    ckptstream.save(state, path)
+    ckptstream.verify(path)
+    assert_same(ckptstream.load(path), state)
 
 
 def test_dict_order_differs_from_file_order(tmp_path: Path) -> None:
@@ -249,12 +251,12 @@ def test_dict_order_differs_from_file_order(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513, 4096])
-def test_edge_case_tensors_round_trip(device: torch.device, tmp_path: Path, buffer_size: int | None) -> None:
+def test_edge_case_tensors_round_trip(device: torch.device, place: Place, buffer_size: int | None) -> None:
     """Every storable edge case, plus tensors that span many chunks of a small buffer; checksums on."""
     state: dict[str, Any] = {c.name: c.source(device) for c in STORABLE_EDGE_CASES}
     state["spans_chunks"] = random_tensor(3001, torch.float32, device)
     state["spans_chunks_transposed"] = random_tensor((70, 53), torch.bfloat16, device).t()
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path, buffer_size=buffer_size, num_buffers=2)
     ckptstream.verify(path)
     for where in (device, "cpu"):
@@ -518,15 +520,15 @@ def test_header_over_the_limit_fails_before_any_file(tmp_path: Path, monkeypatch
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> itertools.count[int]:
-    """Counts calls of ``_fileio.<name>``."""
+    """Counts calls of ``fileio.<name>``."""
     calls = itertools.count()
-    real = getattr(_fileio, name)
+    real = getattr(fileio, name)
 
     def counted(*args: Any) -> Any:
         next(calls)
         return real(*args)
 
-    monkeypatch.setattr(_fileio, name, counted)
+    monkeypatch.setattr(fileio, name, counted)
     return calls
 
 
@@ -569,12 +571,12 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
     error = make_error()
     if where == "fsync":
-        fail_on_call(monkeypatch, _fileio, "fsync", 0, error)
+        fail_on_call(monkeypatch, fileio, "fsync", 0, error)
     elif where == "rename":
         fail_on_call(monkeypatch, os, "replace", 0, error)  # the rename that publishes the file
     else:
         k = {"header": 0, "first_chunk": 1, "middle_chunk": writes // 2, "checksum_header": writes - 1}[where]
-        fail_on_call(monkeypatch, _fileio, "pwrite_all", k, error)
+        fail_on_call(monkeypatch, fileio, "pwrite_all", k, error)
     with pytest.raises(type(error)) as e:
         ckptstream.save(state, path, **options)
     if e.value is not error:  # an OS error may come back naming the file, from the one injected
@@ -594,8 +596,8 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
 def test_stale_temps_of_dead_writers_are_removed(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    this_host = os.path.basename(_publish.temp_path_for(str(path))).rsplit("-", 2)[0]  # .<name><mark><host>
-    other_file = os.path.basename(_publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
+    this_host = os.path.basename(publish.temp_path_for(str(path))).rsplit("-", 2)[0]  # .<name><mark><host>
+    other_file = os.path.basename(publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
     dead = subprocess.Popen(["true"])
     dead.wait()
     live = subprocess.Popen(["sleep", "60"])
@@ -603,7 +605,7 @@ def test_stale_temps_of_dead_writers_are_removed(tmp_path: Path) -> None:
         stale = tmp_path / f"{this_host}-{dead.pid}-0123456789ab"
         running = tmp_path / f"{this_host}-{live.pid}-0123456789ab"
         not_ours = tmp_path / f"{other_file}-{dead.pid}-0123456789ab"
-        other_host = tmp_path / f".ckpt.safetensors{_publish.TEMP_MARK}no-such-host.invalid-{dead.pid}-0123456789ab"
+        other_host = tmp_path / f".ckpt.safetensors{publish.TEMP_MARK}no-such-host.invalid-{dead.pid}-0123456789ab"
         for temp in (stale, running, not_ours, other_host):
             temp.write_bytes(b"partial")
         state = {"w": random_tensor(10)}

@@ -11,8 +11,10 @@ import crc32c
 import pytest
 import torch
 
-from ckptstream import Settings, _checksum, _fileio
+from ckptstream import Settings, _checksum
 from ckptstream._engine import Piece, ReadEngine, WriteEngine
+from ckptstream._storage import local
+from ckptstream._storage.files import FileSink, FileSource
 from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, packed_pieces, poisoned_like
 
 
@@ -111,7 +113,7 @@ def test_engine_checksums_per_tensor(device: torch.device, tmp_path: Path, buffe
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
     cfg = Settings(buffer_size=buffer_size, num_buffers=3, io_threads=3)
-    with _fileio.opened(path, None, writing=True) as (file, _):
+    with local.opened(path, None, FileSink) as (file, _):
         assert WriteEngine(file, pieces, cfg, checksum=True).run() == expected
     assert crc(path.read_bytes()) == combine_pieces([(crc(bytes(3)), 3)] + [
         (c, p.nbytes) for c, p in zip(expected, pieces, strict=True)])
@@ -120,7 +122,7 @@ def test_engine_checksums_per_tensor(device: torch.device, tmp_path: Path, buffe
     bytes_only = [Piece.unread(p.nbytes, p.offset) for p in pieces]
     targets = [poisoned_like(t) for t in sources]
     into = [Piece.of(t, p.offset) for t, p in zip(targets, pieces, strict=True)]
-    with _fileio.opened(path, 0, writing=False) as (file, _):
+    with local.opened(path, 0, FileSource) as (file, _):
         assert ReadEngine(file, bytes_only, read_cfg, checksum=True).run() == expected
         assert ReadEngine(file, into, read_cfg, checksum=True).run() == expected
     for target, source in zip(targets, sources, strict=True):

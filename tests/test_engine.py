@@ -17,10 +17,11 @@ import crc32c
 import pytest
 import torch
 
-from ckptstream import DirectIO, Settings, _fileio
+from ckptstream import DirectIO, Settings
 from ckptstream._engine import Piece, ReadEngine, TransferCancelled, WriteEngine
 from ckptstream._engine.buffers import POOL
-from ckptstream._fileio import OpenFile
+from ckptstream._storage import fileio, local
+from ckptstream._storage.files import FileSink, FileSource
 from helpers import (
     EDGE_CASES,
     POISON_BYTE,
@@ -42,9 +43,10 @@ def crc(data: bytes) -> int:
 
 
 @contextlib.contextmanager
-def open_file(path: Path, writing: bool) -> Iterator[OpenFile]:
+def open_file(path: Path, writing: bool) -> Iterator[Any]:
     flags = os.O_RDWR | os.O_CREAT if writing else os.O_RDONLY
-    file = OpenFile(os.open(path, flags | os.O_CLOEXEC, 0o644), str(path), owned=True)
+    kind = FileSink if writing else FileSource
+    file = kind(os.open(path, flags | os.O_CLOEXEC, 0o644), str(path), owned=True)
     try:
         yield file
     finally:
@@ -55,13 +57,13 @@ def open_file(path: Path, writing: bool) -> Iterator[OpenFile]:
 def slow_io(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pwrite and pread takes at least 5 ms: a transfer of many chunks takes a while."""
     for name in ("pwrite_all", "pread_into", "preadv_all"):
-        real = getattr(_fileio, name)
+        real = getattr(fileio, name)
 
         def slow(*args: Any, real: Any = real) -> Any:
             time.sleep(0.005)
             return real(*args)
 
-        monkeypatch.setattr(_fileio, name, slow)
+        monkeypatch.setattr(fileio, name, slow)
 
 
 def assert_idle() -> None:
@@ -297,7 +299,7 @@ def test_many_pieces_back_to_back(device: torch.device, tmp_path: Path, write_si
     pieces = packed_pieces(sources, 7)
     path = tmp_path / "packed.bin"
     cfg = Settings(buffer_size=write_size, num_buffers=3, io_threads=2)
-    with _fileio.opened(path, None, writing=True) as (file, _):
+    with local.opened(path, None, FileSink) as (file, _):
         crcs = WriteEngine(file, pieces, cfg, checksum=True).run()
     assert path.read_bytes() == bytes(7) + b"".join(as_bytes(t) for t in sources)
     assert crcs == [crc(as_bytes(t)) for t in sources]
@@ -308,7 +310,7 @@ def test_many_pieces_back_to_back(device: torch.device, tmp_path: Path, write_si
         bases.append(base)
         dsts.append(dst)
     cfg = Settings(buffer_size=read_size, num_buffers=2, io_threads=2)
-    with _fileio.opened(path, 0, writing=False) as (file, _):
+    with local.opened(path, 0, FileSource) as (file, _):
         crcs = ReadEngine(file, [Piece.of(d, p.offset) for d, p in zip(dsts, pieces, strict=True)], cfg,
                           checksum=True).run()
     assert crcs == [crc(as_bytes(t)) for t in sources]

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import Settings, _checksum, _fileio
+from ckptstream import Settings, _checksum
 from ckptstream._engine import Piece, ReadEngine, WriteEngine, gpucrc
+from ckptstream._storage import local
+from ckptstream._storage.files import FileSink, FileSource
 from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, flip_last_byte, packed_pieces, poisoned_like
 
 
@@ -261,7 +263,7 @@ def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Monk
     pieces = packed_pieces(sources, 5)
     expected = [crc(as_bytes(t)) for t in sources]
     path = tmp_path / "packed.bin"
-    with _fileio.opened(path, None, writing=True) as (file, _):
+    with local.opened(path, None, FileSink) as (file, _):
         WriteEngine(file, pieces, Settings(buffer_size=1 << 20, num_buffers=3, io_threads=3)).run()
     targets = [poisoned_like(t) for t in sources]
     targets[3] = poisoned_like(sources[2])[1:-2]  # 2 bytes into its storage: on the host
@@ -277,8 +279,8 @@ def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(gpucrc, "crcs", crcs)
     cfg = Settings(buffer_size=(2 << 20) + 7, num_buffers=4, io_threads=3)
-    with _fileio.opened(path, 0, writing=False) as (file, _):
-        assert ReadEngine(file, into, cfg, checksum=True).run() == expected
+    with local.opened(path, 0, FileSource) as (reading, _):
+        assert ReadEngine(reading, into, cfg, checksum=True).run() == expected
     words = [p.nbytes for p, t in zip(pieces, targets, strict=True)
              if t.is_contiguous() and p.nbytes >= gpu_from and p.nbytes % 4 == 0 and t.data_ptr() % 4 == 0]
     assert sorted(taken) == sorted(words)

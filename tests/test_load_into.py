@@ -3,7 +3,6 @@ reported at once before a byte is written; strict=False loads what both sides ha
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +24,18 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
+from memstore import Place
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
 
-def test_fills_tensors_in_place(device: torch.device, tmp_path: Path) -> None:
+def test_fills_tensors_in_place(device: torch.device, place: Place) -> None:
     state: dict[Any, Any] = {
         "w": random_tensor((4, 5), device=device),
         "nested": {"b": random_tensor(5, torch.bfloat16, device), 3: [random_tensor(3, torch.int64, device)]},
         "step": 7, "name": "run ü", "lr": 0.5, "flags": (True, None),
     }  # fmt: skip
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path)
     target: dict[str, Any] = {
         "w": poisoned_like(state["w"]),
@@ -88,10 +88,10 @@ def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path,
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513])
-def test_non_contiguous_targets(device: torch.device, tmp_path: Path, buffer_size: int | None) -> None:
+def test_non_contiguous_targets(device: torch.device, place: Place, buffer_size: int | None) -> None:
     """Views into larger storages are filled in place; the bytes around them stay as they were."""
     sources = {c.name: c.source("cpu") for c in STORABLE_WRITABLE_CASES}
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(sources, path)
     bases, views = {}, {}
     for c in STORABLE_WRITABLE_CASES:
@@ -166,10 +166,10 @@ def test_not_strict_still_rejects_shape_and_dtype_mismatches(tmp_path: Path) -> 
     assert is_poisoned(target["a"])
 
 
-def test_shared_tensors_in_the_file_into_separate_targets(device: torch.device, tmp_path: Path) -> None:
+def test_shared_tensors_in_the_file_into_separate_targets(device: torch.device, place: Place) -> None:
     w, base = random_tensor((4, 4)), random_tensor(100)
     state = {"emb": w, "head": w, "whole": base, "half": base[:50], "t": base.view(10, 10).t()}
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path)
 
     separate = {k: poisoned_like(v).to(device) for k, v in state.items()}
@@ -190,7 +190,7 @@ def test_shared_tensors_in_the_file_into_separate_targets(device: torch.device, 
     assert_bytes_equal(w2, w)
 
     # a nested state stores them as views of one blob: overlapping targets are filled consistently
-    nested_path = tmp_path / "nested.safetensors"
+    nested_path = place.path("nested.safetensors")
     ckptstream.save({"m": state}, nested_path)
     base3 = poisoned_like(base).to(device)
     nested = {"emb": w2, "head": w2, "whole": base3, "half": base3[:50], "t": base3.view(10, 10).t()}
@@ -215,26 +215,26 @@ def test_tied_module_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("keep", ["header_only", "half_the_header", "one_byte_short", "half_the_data", "seven_bytes"])
-def test_truncated_file_never_writes_into_targets(keep: str, tmp_path: Path) -> None:
+def test_truncated_file_never_writes_into_targets(keep: str, place: Place) -> None:
     state = {"a": random_tensor(3000), "b": random_tensor((40, 30), torch.float16)}
-    path = tmp_path / "ckpt.safetensors"
+    path = place.path("ckpt.safetensors")
     ckptstream.save(state, path)
-    size = os.path.getsize(path)
+    size = len(place.read_bytes(path))
     data_start = size - 3000 * 4 - 40 * 30 * 2
     length = {"header_only": data_start, "half_the_header": data_start // 2, "one_byte_short": size - 1,
               "half_the_data": (data_start + size) // 2, "seven_bytes": 7}[keep]  # fmt: skip
-    os.truncate(path, length)
+    place.truncate(path, length)
     target = {k: poisoned_like(v) for k, v in state.items()}
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"truncated|too short"):
         ckptstream.load_into(target, path)
     assert all(is_poisoned(t) for t in target.values())
 
 
-def test_without_checksums(tmp_path: Path) -> None:
-    state = {"a": random_tensor(10), "b": random_tensor(3, torch.int16)}
-    ckptstream.save(state, tmp_path / "ckpt.safetensors")
+def test_without_checksums(place: Place) -> None:
+    state, path = {"a": random_tensor(10), "b": random_tensor(3, torch.int16)}, place.path("ckpt.safetensors")
+    ckptstream.save(state, path)
     target = {k: poisoned_like(v) for k, v in state.items()}
-    ckptstream.load_into(target, tmp_path / "ckpt.safetensors", checksum=False)
+    ckptstream.load_into(target, path, checksum=False)
     for k, v in state.items():
         assert_bytes_equal(target[k], v)
 

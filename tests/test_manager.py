@@ -122,7 +122,7 @@ def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.Monkey
     def failing(self: WriteEngine, chunk: Any, buf: Any) -> None:
         count[0] += 1
         if count[0] > 2:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.name)
         real(self, chunk, buf)
 
     monkeypatch.setattr(WriteEngine, "_write", failing)

@@ -24,6 +24,7 @@ import torch
 import ckptstream
 from ckptstream import CorruptCheckpointError, TruncatedFileError, _mapped
 from ckptstream._header import DTYPE_NAMES
+from ckptstream._storage import mapping
 from ckptstream.bench import systems
 from helpers import (
     EDGE_CASES,
@@ -235,7 +236,7 @@ def test_without_checksums_nothing_is_read_up_front(tmp_path: Path, monkeypatch:
         raise AssertionError("read up front")
 
     monkeypatch.setattr(_mapped, "span_crcs", no_reads)  # the data's checksums (not the header's)
-    monkeypatch.setattr(_mapped.Mapping, "advise", no_reads)
+    monkeypatch.setattr(mapping.Mapping, "prefetch", no_reads)
     assert_same_state(ckptstream.load(tmp_path / "s.safetensors", mmap=True, checksum=False), state, device="cpu")
     with pytest.raises(AssertionError, match="read up front"):
         ckptstream.load(tmp_path / "s.safetensors", mmap=True)

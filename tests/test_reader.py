@@ -17,7 +17,6 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import _fileio
 from helpers import (
     MiB,
     as_bytes,
@@ -28,6 +27,7 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
+from memstore import MemStorage, Place
 
 METADATA = {"run": "reader", "note": "ünïcode"}
 
@@ -66,7 +66,17 @@ def tensor_leaves(state: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[st
 
 
 @pytest.fixture
-def saved(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+def saved(place: Place) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """A checkpoint of ``make_state()`` on the local file system and in memory (``mem://``)."""
+    state = make_state()
+    path = place.path("ckpt.safetensors")
+    ckptstream.save(state, path, metadata=METADATA)
+    return path, state, dict(tensor_leaves(state))
+
+
+@pytest.fixture
+def saved_file(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """The same in a local file (for what concerns its descriptor)."""
     state = make_state()
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save(state, path, metadata=METADATA)
@@ -92,9 +102,9 @@ def test_index_lists_every_tensor_with_its_dtype_and_shape(saved: Any) -> None:
         assert reader.entry(("optim", "state", 0, "exp_avg")).key == "optim.state.0.exp_avg"  # an int key
 
 
-def test_entries_are_the_files_bytes_and_their_crc32c(saved: Any) -> None:
+def test_entries_are_the_files_bytes_and_their_crc32c(saved: Any, place: Place) -> None:
     path, _, tensors = saved
-    raw = path.read_bytes()
+    raw = place.read_bytes(path)
     with ckptstream.open(path) as reader:
         for key, t in tensors.items():
             e = reader.entry(key)
@@ -128,7 +138,7 @@ def test_leaves_and_metadata(saved: Any) -> None:
 BUFFERS = [4096, 4099, 4100]  # 4099: chunk edges cut elements of every size
 
 
-def open_small(path: Path, buffer_size: int) -> ckptstream.CheckpointReader:
+def open_small(path: str, buffer_size: int) -> ckptstream.CheckpointReader:
     return ckptstream.open(path, buffer_size=buffer_size, num_buffers=2, io_threads=2, direct_io="off")
 
 
@@ -237,21 +247,13 @@ def test_bad_boxes_name_the_key(saved: Any, call: Any, error: type[Exception], m
 # --- errors by the user's key paths -----------------------------------------------------------------
 
 
-def flip_bit(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x04]))
-
-
 @pytest.mark.parametrize("key", ["model.w", "model.b", "views.grid", "optim.state.0.exp_avg", "layers.1.0"])
-def test_a_corrupt_tensor_is_named_by_its_key_path(saved: Any, key: str) -> None:
+def test_a_corrupt_tensor_is_named_by_its_key_path(saved: Any, place: Place, key: str) -> None:
     path, _, tensors = saved
     with ckptstream.open(path) as reader:
         e = reader.entry(key)
         sharing = [k for k in reader if reader.entry(k).stored_as == e.stored_as]
-    flip_bit(path, e.offset + (e.end - e.offset) // 2)
+    place.flip(path, e.offset + (e.end - e.offset) // 2)
     with ckptstream.open(path) as reader:
         for call in (lambda: reader.read(key), lambda: reader.read_into(key, torch.empty_like(tensors[key])),
                      reader.verify):
@@ -272,28 +274,10 @@ def test_a_corrupt_tensor_is_named_by_its_key_path(saved: Any, key: str) -> None
 # --- reads touch only their bytes ------------------------------------------------------------------
 
 
-@pytest.fixture
-def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(offset, length) of every read of file data from now on."""
-    reads: list[tuple[int, int]] = []
-    real_pread, real_preadv = _fileio.pread_into, _fileio.preadv_all
-
-    def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
-        reads.append((offset, len(view)))
-        return real_pread(fd, view, offset, path)
-
-    def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> int:
-        reads.append((offset, sum(len(v) for v in views)))
-        return real_preadv(fd, views, offset, path)
-
-    monkeypatch.setattr(_fileio, "pread_into", pread_into)
-    monkeypatch.setattr(_fileio, "preadv_all", preadv_all)
-    return reads
-
-
-def test_reading_one_tensor_touches_only_its_bytes(tmp_path: Path, file_reads: list[tuple[int, int]]) -> None:
+def test_reading_one_tensor_touches_only_its_bytes(mem: MemStorage) -> None:
+    """Every read of the storage (in memory, which notes each one's offset and length)."""
     state = {"a": random_tensor(MiB), "b": random_tensor((512, 1024)), "c": random_tensor(MiB)}  # 4 MiB each
-    path = tmp_path / "big.safetensors"
+    path, file_reads = "mem://test/big.safetensors", mem.reads
     ckptstream.save(state, path)
     with ckptstream.open(path, buffer_size=256 << 10, num_buffers=2) as reader:
         e = reader.entry("b")
@@ -370,8 +354,8 @@ def descriptors_of(path: Path) -> list[int]:
     return [fd for fd, target in open_fds().items() if target == str(path)]
 
 
-def test_the_reader_closes_its_descriptor(saved: Any) -> None:
-    path, _, tensors = saved
+def test_the_reader_closes_its_descriptor(saved_file: Any) -> None:
+    path, _, tensors = saved_file
     with ckptstream.open(path) as reader:
         assert len(descriptors_of(path)) == 1
         reader.read("model.w")
@@ -384,8 +368,8 @@ def test_the_reader_closes_its_descriptor(saved: Any) -> None:
 
 
 @pytest.mark.parametrize("damage", ["header_length", "json", "truncated", "structure"])
-def test_a_failed_open_leaks_no_descriptor(saved: Any, damage: str) -> None:
-    path, _, _ = saved
+def test_a_failed_open_leaks_no_descriptor(saved_file: Any, damage: str) -> None:
+    path, _, _ = saved_file
     raw = bytearray(path.read_bytes())
     if damage == "header_length":
         raw[:8] = (len(raw) * 2).to_bytes(8, "little")

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _fileio
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine.buffers import POOL
+from ckptstream._storage import fileio
 from helpers import (
     POISON_BYTE,
     READ_CALLS,
@@ -147,13 +147,13 @@ def test_failure_in_an_io_thread(device: torch.device, tmp_path: Path, monkeypat
     names = ("pwrite_all",) if direction == "write" else READ_CALLS
     calls = fail_on_call(k, lambda *args: None, exc)  # one count over every primitive patched
     for name in names:
-        real = getattr(_fileio, name)
+        real = getattr(fileio, name)
 
         def failing(*args: Any, real: Callable[..., Any] = real) -> Any:
             calls(*args)
             return real(*args)
 
-        monkeypatch.setattr(_fileio, name, failing)
+        monkeypatch.setattr(fileio, name, failing)
     expected = OSError if exc is _eio else KeyboardInterrupt
     start = time.monotonic()
     with ckptstream.settings(io_threads=io_threads), pytest.raises(expected) as info:
@@ -215,7 +215,7 @@ def test_pool_reuses_buffers(device: torch.device, tmp_path: Path, monkeypatch: 
     assert POOL.idle_bytes() == idle
     assert POOL.in_use == 0
 
-    monkeypatch.setattr(_fileio, "pwrite_all", fail_on_call(2, _fileio.pwrite_all, _eio))
+    monkeypatch.setattr(fileio, "pwrite_all", fail_on_call(2, fileio.pwrite_all, _eio))
     with pytest.raises(OSError, match="injected"):
         ckptstream.device_to_file(src, path, **kw)
     assert POOL.idle_bytes() == idle

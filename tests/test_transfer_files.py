@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import DirectIO, _fileio
+from ckptstream import DirectIO
+from ckptstream._storage import fileio
 from helpers import (
     POISON_BYTE,
     KiB,
@@ -263,7 +264,7 @@ def test_file_shrinking_during_the_read(device: torch.device, tmp_path: Path, di
     or through the staging buffers)."""
     path = tmp_path / "short.bin"
     path.write_bytes(as_bytes(random_bytes(1000)))
-    monkeypatch.setattr(_fileio, "check_length", lambda *args: None)
+    monkeypatch.setattr(fileio, "check_length", lambda *args: None)
     base = poisoned_like(torch.empty(60, 50, dtype=torch.uint8, device=device))
     dst = base if layout == "contiguous" else base.t()
     before = Resources.snapshot()

@@ -8,6 +8,7 @@ from ._errors import (
     StateMismatchError,
     StateMismatchWarning,
     TruncatedFileError,
+    UnsupportedStorageError,
     UnsupportedTypeError,
 )
 from ._load import load, open, read_metadata, verify
@@ -37,6 +38,7 @@ __all__ = [
     "TensorEntry",
     "TensorSlice",
     "TruncatedFileError",
+    "UnsupportedStorageError",
     "UnsupportedTypeError",
     "current_settings",
     "device_to_file",

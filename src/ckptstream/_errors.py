@@ -31,6 +31,11 @@ class UnsupportedTypeError(CkptStreamError, TypeError):
     holds a dtype that this torch does not have."""
 
 
+class UnsupportedStorageError(CkptStreamError, ValueError):
+    """A URL whose scheme names no storage ckptstream has, or a call that needs what its storage
+    cannot do (``mmap=True`` on a target that cannot be mapped)."""
+
+
 class StateMismatchWarning(UserWarning):
     """load_into(strict=False) skipped keys; ``missing`` and ``unexpected`` list them."""
 

@@ -38,8 +38,8 @@ import torch
 
 from . import _checksum
 from ._errors import CorruptCheckpointError, UnsupportedTypeError
-from ._fileio import round_up
 from ._settings import ALIGN
+from ._storage import round_up
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself applies
 INT64_MAX = 2**63 - 1  # torch's sizes, strides and element counts are int64

@@ -8,10 +8,9 @@ bytes at load time, several threads taking contiguous runs of the data section (
 into pieces whose CRCs are combined), so a corrupt tensor is reported before the state is
 returned. Without, nothing is read up front.
 
-The mapping is made with libc's ``mmap`` (not Python's ``mmap`` module, which keeps a duplicate
-of the file descriptor open for as long as the mapping lives, before Python 3.13): the mapping
-holds the file, not a descriptor, so loading many files maps them without using descriptors.
-It is unmapped when the last tensor backed by it is freed.
+The mapping is the source's (``Source.map``: a local file maps, holding the file but no
+descriptor); it is unmapped when the last tensor backed by it is freed. A storage that cannot
+map (an object store) gets a clear error.
 
 The file must not be truncated or modified in place while the tensors live: pages not yet read
 would show the new bytes, and pages past a truncation raise SIGBUS. ckptstream's own saves
@@ -20,11 +19,9 @@ replace a file by rename, which leaves the mapped (old) file intact.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +29,10 @@ import torch
 
 from . import _checksum, _gc
 from ._engine import control
-from ._errors import TruncatedFileError
-from ._fileio import os_error, round_down
+from ._errors import TruncatedFileError, UnsupportedStorageError
 from ._header import TensorInfo, empty_tensor
 from ._progress import progress_bar
+from ._storage import Region, round_down
 
 if TYPE_CHECKING:
     from ._reader import CheckpointReader
@@ -45,59 +42,20 @@ THREADED_FROM = 8 << 20  # smaller data sections are checksummed in the caller's
 # Below this mean piece size the checksum pass is bound by Python's per-call work, which holds
 # the GIL: more threads would only take turns on it.
 THREADED_MEAN = 1 << 20
-# MADV_POPULATE_READ (Linux 5.14): fault every page of a range in one call, far cheaper than one
-# fault per page. Older kernels refuse it (EINVAL): then the checksum pass faults the pages in.
-MADV_POPULATE_READ = 22
-
-_libc: Any = None
 
 
-def _c() -> Any:
-    """libc with the prototypes used here, loaded on first use."""
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int64]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = libc
-    return _libc
-
-
-class Mapping:
-    """A private, writable mapping of ``nbytes`` of a file from ``offset`` (a multiple of the
-    page size). ``buffer`` exports the mapped bytes; the mapping is undone once ``buffer`` and
-    every tensor made from it are gone (never at interpreter exit: tensors may outlive that)."""
-
-    def __init__(self, fd: int, offset: int, nbytes: int, path: str) -> None:
-        libc = _c()
-        addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            errno = ctypes.get_errno()
-            raise os_error(OSError(errno, os.strerror(errno)), "mapping the checkpoint", path)
-        self.addr, self.nbytes, self.offset = int(addr), nbytes, offset
-        self.buffer = (ctypes.c_ubyte * nbytes).from_address(self.addr)
-        weakref.finalize(self.buffer, libc.munmap, self.addr, nbytes).atexit = False
-
-    def advise(self, lo: int, hi: int, advice: int) -> bool:
-        """madvise the mapped pages holding bytes [lo, hi) (of the mapping); whether it took."""
-        page = mmap.PAGESIZE
-        start = round_down(lo, page)
-        return hi > lo and _c().madvise(self.addr + start, hi - start, advice) == 0
-
-    def tensor(self, info: TensorInfo, at: int) -> torch.Tensor:
-        """The stored tensor ``info`` whose bytes start ``at`` bytes into the mapping."""
-        if info.nbytes == 0:
-            return empty_tensor(info.shape, info.dtype, torch.device("cpu"))
-        if (self.offset + at) % info.dtype.itemsize:
-            # an offset that is not a multiple of the element size (possible in files of other
-            # writers): torch's kernels assume aligned elements, so these bytes are copied
-            raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=info.nbytes, offset=at).clone()
-            return raw.view(info.dtype).view(info.shape)
-        count = info.nbytes // info.dtype.itemsize
-        return torch.frombuffer(self.buffer, dtype=info.dtype, count=count, offset=at).view(info.shape)
+def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
+    """The stored tensor ``info`` whose bytes start ``at`` bytes into the mapped ``region``
+    (mapped from a page-aligned offset)."""
+    if info.nbytes == 0:
+        return empty_tensor(info.shape, info.dtype, torch.device("cpu"))
+    if at % info.dtype.itemsize:
+        # an offset that is not a multiple of the element size (possible in files of other
+        # writers): torch's kernels assume aligned elements, so these bytes are copied
+        raw = torch.frombuffer(region.buffer, dtype=torch.uint8, count=info.nbytes, offset=at).clone()
+        return raw.view(info.dtype).view(info.shape)
+    count = info.nbytes // info.dtype.itemsize
+    return torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at).view(info.shape)
 
 
 def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: bool = True,
@@ -112,8 +70,11 @@ def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: 
     if header.data_bytes == 0:  # nothing to map (no tensors, or none with bytes)
         return {t.name: empty_tensor(t.shape, t.dtype, device) for t in infos}
     start = round_down(header.data_start, mmap.PAGESIZE)
-    mapping = Mapping(reader._file.fd, start, end - start, reader.path)
-    size = os.fstat(reader._file.fd).st_size
+    mapping = reader._source.map(start, end - start)
+    if mapping is None:
+        raise UnsupportedStorageError(f"{reader.path}: mmap=True maps a local file, and this storage cannot map its "
+                                      "objects: load without mmap=True")
+    size = reader._source.size()
     if size < end:  # shortened since its header was read: a touch past the end would raise SIGBUS
         raise TruncatedFileError(reader.path, header.data_start, header.data_bytes, max(0, size - header.data_start))
     base = header.data_start - start
@@ -125,7 +86,7 @@ def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: 
         elif bar is not None:
             bar(header.data_bytes)
     with _gc.paused():
-        return {t.name: mapping.tensor(t, base + t.begin) for t in infos}
+        return {t.name: _tensor(mapping, t, base + t.begin) for t in infos}
 
 
 def check_device(device: Any) -> None:
@@ -142,7 +103,7 @@ def threads(io_threads: int, hot_io_threads: int) -> int:
     return max(1, min(max(io_threads, hot_io_threads), os.cpu_count() or 1))
 
 
-def span_crcs(mapping: Mapping, spans: Sequence[tuple[int, int]], nthreads: int,
+def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
               bar: Callable[[int], None] | None = None) -> list[int]:
     """The CRC-32C of each byte span [lo, hi) of the mapping (spans in file order, back to back
     or not), computed by up to ``nthreads`` threads, each over a contiguous run of pieces."""
@@ -160,7 +121,7 @@ def span_crcs(mapping: Mapping, spans: Sequence[tuple[int, int]], nthreads: int,
         try:
             if first < last:
                 # one call brings the run's pages in; where refused, the reads below fault them in
-                mapping.advise(parts[first][1], parts[last - 1][2], MADV_POPULATE_READ)
+                mapping.prefetch(parts[first][1], parts[last - 1][2])
             for k in range(first, last):
                 if stop.is_set():
                     return

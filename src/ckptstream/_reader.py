@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from . import _blocks, _fileio, _gc, _header, _mapped
+from . import _blocks, _gc, _header, _mapped
 from ._engine import BYTE_COPIED, PLAIN_TENSORS, Piece, ReadEngine, check_tensor
 from ._errors import CorruptCheckpointError, StateMismatchError
 from ._header import Header, empty_tensor
 from ._progress import progress_bar
 from ._settings import Settings
 from ._slices import normalize_box, slice_pieces
+from ._storage import Source, storage_for
 from ._structure import KeyPath, View, key_str, make_view, parse_structure, rebuild, unflatten
 
 Device = str | int | torch.device
@@ -92,25 +93,24 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike[str], cfg: Settings) -> None:
         self.path, self._cfg = os.fsdecode(path), cfg
-        fd = _fileio.open_path(self.path, os.O_RDONLY, "opening the checkpoint")  # a FIFO is refused, not waited on
-        self._file = _fileio.OpenFile(fd, self.path, owned=True)
+        self._source: Source = storage_for(self.path).open(self.path)  # a FIFO is refused, not waited on
         try:
             with _gc.paused():
                 self.header = self._read_header()
                 table = {t.name: t.nbytes for t in self.header.tensors}
                 self._structure = parse_structure(self.header.structure, table, self.path)
         except BaseException:
-            self._file.close()
+            self._source.close()
             raise
 
     def _read_header(self) -> Header:
-        size = os.fstat(self._file.fd).st_size
+        size = self._source.size()
         raw = bytearray(min(size, _FIRST_READ))
-        _fileio.pread_into(self._file.fd, memoryview(raw), 0, self.path)
+        self._source.read_into(memoryview(raw), 0)
         start = _header.data_start(bytes(raw[:8]), size, self.path)
         if start > len(raw):
             rest = bytearray(start - len(raw))
-            _fileio.pread_into(self._file.fd, memoryview(rest), len(raw), self.path)
+            self._source.read_into(memoryview(rest), len(raw))
             raw += rest
         return _header.decode(bytes(raw[:start]), size, self.path)
 
@@ -261,7 +261,7 @@ class CheckpointReader:
                 with torch.no_grad():
                     dst.copy_(box[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
             outs.append(dst)
-        crcs = ReadEngine(self._file, pieces, self._cfg, checksum=bool(whole)).run()
+        crcs = ReadEngine(self._source, pieces, self._cfg, checksum=bool(whole)).run()
         self._compare([(name, crc) for _, name, crc in whole], [crcs[i] for i, _, _ in whole])
         return outs
 
@@ -308,7 +308,7 @@ class CheckpointReader:
              spans: list[tuple[int, int]] | None = None) -> list[int]:
         with progress_bar(progress, sum(p.nbytes for p in pieces), f"load {os.path.basename(self.path)}") as bar:
             with _gc.paused():
-                engine = ReadEngine(self._file, pieces, self._cfg, checksum=check, progress=bar, stream=stream,
+                engine = ReadEngine(self._source, pieces, self._cfg, checksum=check, progress=bar, stream=stream,
                                     spans=spans)
             return engine.run()
 
@@ -372,7 +372,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Close the file; safe to call twice."""
-        self._file.close()
+        self._source.close()
 
     def __enter__(self) -> CheckpointReader:
         return self

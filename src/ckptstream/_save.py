@@ -1,8 +1,9 @@
 """save: a whole training state to one safetensors file, atomically.
 
-flatten the state -> tensor table and header (checksums as placeholders) -> a temp file beside
-the target -> the header, then the tensors streamed through the write engine -> the header again
-with the checksums -> fsync -> rename over the target -> fsync the directory.
+flatten the state -> tensor table and header (checksums as placeholders) -> a sink of the
+target's storage (a local file: a temp beside the target) -> the header, then the tensors
+streamed through the write engine -> the header again with the checksums -> publish (a local
+file: fsync, rename over the target, fsync the directory).
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from typing import Any
 
 import torch
 
-from . import _fileio, _gc, _header
+from . import _gc, _header
 from ._engine import Mark, Piece, WriteEngine, interrupts_deferred
 from ._engine.control import raise_if_interrupted
 from ._errors import UnsupportedTypeError
 from ._flatten import flatten
 from ._header import TensorInfo
 from ._progress import progress_bar
-from ._publish import atomic_file
 from ._settings import INHERIT, Settings, call_settings
+from ._storage import storage_for
 
 
 @dataclasses.dataclass
@@ -58,12 +59,14 @@ def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bo
 def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
                      stream: torch.cuda.Stream | None = None, after: Mark | None = None,
                      staged: Callable[[], None] | None = None) -> None:
-    """Write ``plan`` to a temp file beside ``path`` and publish it atomically; the copies follow
-    the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine). ``staged``
-    is called once every byte of the tensors is out of them (before the header's checksums, the
-    fsync and the rename): a background save lets its caller change the tensors from then on."""
-    with interrupts_deferred(), atomic_file(os.fspath(path)) as file:
-        _fileio.pwrite_all(file.fd, memoryview(plan.header), 0, file.path)
+    """Write ``plan`` to a sink of ``path`` (a path or URL) and publish it atomically; the copies
+    follow the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine).
+    ``staged`` is called once every byte of the tensors is out of them (before the header's
+    checksums and the publication): a background save lets its caller change the tensors from
+    then on."""
+    name = os.fsdecode(path)
+    with interrupts_deferred(), storage_for(name).create(name) as sink:
+        sink.write_at(memoryview(plan.header), 0)
         raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
         start = len(plan.header)
         with _gc.paused():
@@ -71,15 +74,15 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
             pieces = [Piece(t, start + i.begin, 0, i.end - i.begin)
                       for t, i in zip(plan.tensors, plan.infos, strict=True)]
         total = plan.infos[-1].end if plan.infos else 0  # the tensors lie back to back
-        with progress_bar(progress, total, f"save {os.path.basename(os.fspath(path))}") as bar:
+        with progress_bar(progress, total, f"save {os.path.basename(name)}") as bar:
             with _gc.paused():
-                engine = WriteEngine(file, pieces, cfg, checksum=plan.checksum, progress=bar,
+                engine = WriteEngine(sink, pieces, cfg, checksum=plan.checksum, progress=bar,
                                      stream=stream, after=after)
             crcs = engine.run()
         if staged is not None:
             staged()
         if plan.checksum:  # the same length: written over the placeholders
-            _fileio.pwrite_all(file.fd, memoryview(_header.fill(plan.header, crcs)), 0, file.path)
+            sink.write_at(memoryview(_header.fill(plan.header, crcs)), 0)
         raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place
 
 
@@ -93,8 +96,9 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
             None, bool, int, float and str leaves (``model.state_dict()``,
             ``optimizer.state_dict()``, step, RNG states, ...). A flat ``{str: Tensor}`` keeps
             its keys as the tensor names, so safetensors readers see exactly those tensors.
-        path: the file to create or replace. Until the new file is complete and durable the
-            old one stays untouched; a reader sees the old or the new file, never a mix.
+        path: the file to create or replace (a local path, or the URL of a registered
+            storage). Until the new file is complete and durable the old one stays untouched; a
+            reader sees the old or the new file, never a mix.
         metadata: extra ``str -> str`` pairs for the header's ``__metadata__``.
         checksum: store a CRC-32C of every tensor (checked by ``load`` and ``verify``).
         progress: show a progress bar on stderr.

@@ -1,4 +1,9 @@
-"""The public primitive: one tensor to or from a file, streamed through staging buffers."""
+"""The public primitive: one tensor to or from a file, streamed through staging buffers.
+
+By nature a local-file API (it takes int descriptors and file objects, and writes in place at
+any offset): it opens its files through the local storage's own entry point
+(``_storage.local.opened``), whose sinks and sources the engines take like any other.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,17 @@ from typing import Any
 
 import torch
 
-from . import _fileio
 from ._engine import Piece, ReadEngine, WriteEngine, check_stream, check_tensor
 from ._settings import INHERIT, call_settings
+from ._storage.files import FileSink, FileSource
+from ._storage.local import FileLike, advance_position, opened
 
 
-def device_to_file(src: torch.Tensor, file: _fileio.FileLike, *, offset: int | None = None,
+def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = None,
                    stream: torch.cuda.Stream | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
                    io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> int:
-    """Write the bytes of ``src`` to ``file`` through a few staging buffers.
+    """Write the bytes of ``src`` to ``file`` (a local file: this primitive writes in place, at
+    any offset) through a few staging buffers.
 
     Args:
         src: a CPU or CUDA tensor of any dtype, contiguous or not; its logical row-major bytes
@@ -42,19 +49,18 @@ def device_to_file(src: torch.Tensor, file: _fileio.FileLike, *, offset: int | N
     cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     check_tensor(src, "src")
     check_stream(stream)  # every argument is checked before the file is opened (and truncated)
-    with _fileio.opened(file, offset, writing=True) as (handle, start):
+    with opened(file, offset, FileSink) as (sink, start):
         piece = Piece.of(src, start)
-        WriteEngine(handle, [piece], cfg, stream=stream).run()
-        if handle.owned:
-            _fileio.fsync(handle.fd, handle.path)
-    _fileio.advance_position(file, offset, piece.end)
+        WriteEngine(sink, [piece], cfg, stream=stream).run()
+        sink.publish()  # fsync, where the path was opened here
+    advance_position(file, offset, piece.end)
     return piece.nbytes
 
 
-def file_to_device(file: _fileio.FileLike, dst: torch.Tensor, *, offset: int | None = None,
+def file_to_device(file: FileLike, dst: torch.Tensor, *, offset: int | None = None,
                    stream: torch.cuda.Stream | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
                    io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> int:
-    """Fill ``dst`` in place with ``dst.nbytes`` bytes of ``file``.
+    """Fill ``dst`` in place with ``dst.nbytes`` bytes of ``file`` (a local file).
 
     Args:
         file: a path (read from offset 0 when ``offset`` is None), an int file descriptor, or a
@@ -80,9 +86,9 @@ def file_to_device(file: _fileio.FileLike, dst: torch.Tensor, *, offset: int | N
     cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
     check_tensor(dst, "dst", writable=True)
     check_stream(stream)
-    with _fileio.opened(file, offset, writing=False) as (handle, start):
+    with opened(file, offset, FileSource) as (source, start):
         piece = Piece.of(dst, start)
-        _fileio.check_length(handle.fd, handle.path, start, piece.nbytes)
-        ReadEngine(handle, [piece], cfg, stream=stream).run()
-    _fileio.advance_position(file, offset, piece.end)
+        source.check_length(start, piece.nbytes)
+        ReadEngine(source, [piece], cfg, stream=stream).run()
+    advance_position(file, offset, piece.end)
     return piece.nbytes

@@ -26,7 +26,7 @@ from dcp_helpers import EXTRA, SEED, global_tensors, has_hf_reader, plain_value,
 
 import ckptstream
 import ckptstream.dcp
-from ckptstream import _fileio
+from ckptstream._storage import fileio
 
 try:
     from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -263,7 +263,7 @@ def scenario_kill(ctx: Ctx) -> None:
     dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "good"))
     dist.barrier()
     if ctx.rank == 1:
-        real, calls = _fileio.pwrite_all, []
+        real, calls = fileio.pwrite_all, []
 
         def pwrite_then_die(fd: int, view: memoryview, offset: int, path: str) -> None:
             real(fd, view, offset, path)
@@ -271,7 +271,7 @@ def scenario_kill(ctx: Ctx) -> None:
             if len(calls) == 4:  # the header and three chunks of data are in the temp file
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        _fileio.pwrite_all = pwrite_then_die
+        fileio.pwrite_all = pwrite_then_die
     writer = ckptstream.dcp.StreamWriter(ctx.workdir / "bad", buffer_size=1 << 16, num_buffers=2, io_threads=1)
     try:
         dcp.save(state, storage_writer=writer)

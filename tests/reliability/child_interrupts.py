@@ -24,8 +24,8 @@ from typing import Any, ParamSpec, TypedDict, TypeVar
 import torch
 
 import ckptstream
-from ckptstream import _fileio
 from ckptstream._engine.buffers import POOL
+from ckptstream._storage import fileio
 
 SMALL: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
 P = ParamSpec("P")
@@ -58,6 +58,8 @@ def file_fds() -> dict[int, str]:
 
 
 def signaller(count: int, rng: random.Random, window: float) -> threading.Thread:
+    """A thread (not started: its start belongs inside the block that catches the interrupts)
+    that sends ``count`` SIGINTs to this process."""
     def run() -> None:
         time.sleep(rng.uniform(0, window))
         for i in range(count):
@@ -65,9 +67,7 @@ def signaller(count: int, rng: random.Random, window: float) -> threading.Thread
                 time.sleep(rng.uniform(0.0001, 0.010))
             os.kill(os.getpid(), signal.SIGINT)
 
-    thread = threading.Thread(target=run, name="test-signaller")
-    thread.start()
-    return thread
+    return threading.Thread(target=run, name="test-signaller")
 
 
 late: list[int] = []  # signals of a burst that came after the operation had ended
@@ -102,8 +102,8 @@ def main() -> int:
     # a shell that starts a job in the background has it ignore SIGINT; Ctrl-C is what is tested here
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(seed)
-    _fileio.pwrite_all = slowed(_fileio.pwrite_all)
-    _fileio.pread_into = slowed(_fileio.pread_into)
+    fileio.pwrite_all = slowed(fileio.pwrite_all)
+    fileio.pread_into = slowed(fileio.pread_into)
     state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
     path = os.path.join(directory, "ckpt.safetensors")
     ckptstream.save(state, path, **SMALL)
@@ -115,6 +115,7 @@ def main() -> int:
         thread = signaller(rng.choice((2, 3)), rng, window=0.03)
         seen = None
         try:
+            thread.start()  # a signal may land before start() returns: it is caught below too
             if op == "save":
                 ckptstream.save(state, path, **SMALL)
             else:

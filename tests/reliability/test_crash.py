@@ -33,7 +33,7 @@ from relutil import (
 )
 
 import ckptstream
-from ckptstream import _publish
+from ckptstream._storage import publish
 
 SIZE_MIB = 128  # big enough that one save takes long enough to be killed at many distinct moments
 TRIALS_PER_MODE = 16  # stratified over the save's duration, in each I/O mode
@@ -182,15 +182,15 @@ def test_stale_temp_cleanup_spares_live_writers_and_other_files(tmp_path: Path) 
     try:
         dead, live = _dead_pid(), sleeper.pid
         # the name of a temp of this path by a writer of this host, up to its pid and random part
-        mine = os.path.basename(_publish.temp_path_for(str(path))).rsplit("-", 2)[0]
-        other_file = os.path.basename(_publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
-        mark = f"{_publish.TEMP_MARK}{host}-"
+        mine = os.path.basename(publish.temp_path_for(str(path))).rsplit("-", 2)[0]
+        other_file = os.path.basename(publish.temp_path_for(str(tmp_path / "other.safetensors"))).rsplit("-", 2)[0]
+        mark = f"{publish.TEMP_MARK}{host}-"
         assert mark in mine
         names = {
             "dead": f"{mine}-{dead}-0123456789ab",
             "live": f"{mine}-{live}-0123456789ab",
             "self": f"{mine}-{os.getpid()}-0123456789ab",
-            "other_host": f"{mine.replace(mark, f'{_publish.TEMP_MARK}{host}x-')}-{dead}-0123456789ab",
+            "other_host": f"{mine.replace(mark, f'{publish.TEMP_MARK}{host}x-')}-{dead}-0123456789ab",
             "other_file": f"{other_file}-{dead}-0123456789ab",
             "not_a_pid": f"{mine}-abc-0123456789ab",
             "user_file": f"{path.name}.bak",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _publish
+from ckptstream._storage import publish
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 WRITES = ("pwrite", "write", "pwritev", "writev")
@@ -65,7 +65,7 @@ def _readable(n: str) -> bool:
 
 
 def temps(directory: Path) -> list[str]:
-    return [e for e in os.listdir(directory) if _publish.TEMP_MARK in e]
+    return [e for e in os.listdir(directory) if publish.TEMP_MARK in e]
 
 
 def where(fd: int) -> str:
@@ -125,7 +125,7 @@ def check_publish_order(trace: Trace, target: str) -> None:
     assert [e[2] for e in renames] == [target], renames
     temp = renames[0][1]
     assert os.path.dirname(temp) == directory
-    assert _publish.TEMP_MARK in temp
+    assert publish.TEMP_MARK in temp
     written = {e[1] for e in events if e[0] in ("write", "truncate")}
     assert written == {temp}, f"written other than the temp: {written - {temp}}"
     writers = [e for e in events if e[0] == "open" and e[1] == target and e[2] & (os.O_WRONLY | os.O_RDWR)]
@@ -168,7 +168,7 @@ def fsync_fails_at(kind: str) -> Callable[[str, tuple[Any, ...]], None]:
         if name not in ("fsync", "fdatasync"):
             return
         is_dir = stat.S_ISDIR(os.fstat(args[0]).st_mode)
-        if (kind == "directory") == is_dir and (is_dir or _publish.TEMP_MARK in where(args[0])):
+        if (kind == "directory") == is_dir and (is_dir or publish.TEMP_MARK in where(args[0])):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     return fail
@@ -288,7 +288,7 @@ def test_direct_io_refused_in_forced_mode_is_a_clear_error(direct_dir: Path, at:
     message = str(info.value)
     assert "direct_io='on'" in message, message
     assert "'auto'" in message, message
-    assert _publish.TEMP_MARK in info.value.filename
+    assert publish.TEMP_MARK in info.value.filename
     assert os.path.dirname(info.value.filename) == str(direct_dir)
     assert path.read_bytes() == old_bytes
     assert temps(direct_dir) == []
@@ -306,8 +306,8 @@ def interrupt_after_open(which: str, how: str, calls: list[int]) -> Callable[...
 
     def fake(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         fd = real(path, flags, *args, **kwargs)
-        temp = which == "temp" and flags & os.O_CREAT and _publish.TEMP_MARK in os.fspath(path)
-        direct = which == "direct" and flags & O_DIRECT and _publish.TEMP_MARK in where(fd)
+        temp = which == "temp" and flags & os.O_CREAT and publish.TEMP_MARK in os.fspath(path)
+        direct = which == "direct" and flags & O_DIRECT and publish.TEMP_MARK in where(fd)
         if temp or direct:
             calls.append(fd)
             if how == "raise":

@@ -34,10 +34,10 @@ from relutil import (
 )
 
 import ckptstream
-from ckptstream import _fileio
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine import read as read_engine
 from ckptstream._engine.engine import Engine
+from ckptstream._storage import fileio
 
 READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0
@@ -61,10 +61,10 @@ def in_io_thread() -> bool:
 @contextlib.contextmanager
 def fail_in_io_thread(monkeypatch: pytest.MonkeyPatch, names: str | tuple[str, ...], after: int,
                       fail: Callable[[], None]) -> Iterator[list[int]]:
-    """Make ``_fileio.<name>`` (any of ``names``, counted together) call ``fail()`` on its
+    """Make ``fileio.<name>`` (any of ``names``, counted together) call ``fail()`` on its
     (after+1)-th call from an I/O thread."""
     names = (names,) if isinstance(names, str) else names
-    originals = {name: getattr(_fileio, name) for name in names}
+    originals = {name: getattr(fileio, name) for name in names}
     calls = [0]
     lock = threading.Lock()
 
@@ -80,12 +80,12 @@ def fail_in_io_thread(monkeypatch: pytest.MonkeyPatch, names: str | tuple[str, .
         return wrapper
 
     for name, original in originals.items():
-        monkeypatch.setattr(_fileio, name, wrap(original))
+        monkeypatch.setattr(fileio, name, wrap(original))
     try:
         yield calls
     finally:
         for name, original in originals.items():
-            monkeypatch.setattr(_fileio, name, original)
+            monkeypatch.setattr(fileio, name, original)
 
 
 def eio() -> None:
@@ -286,7 +286,7 @@ def test_interrupt_while_starting_the_io_threads(monkeypatch: pytest.MonkeyPatch
         return call
 
     for name in names:
-        monkeypatch.setattr(_fileio, name, slow(getattr(_fileio, name)))
+        monkeypatch.setattr(fileio, name, slow(getattr(fileio, name)))
     with interrupted_thread_start(engine_type), reaches_caller(KeyboardInterrupt):
         if op == "save":
             ckptstream.save(state, path, **SMALL)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _publish
+from ckptstream._storage import publish
 
 OTHER = 1000  # uid and gid of "another user"
 
@@ -39,7 +39,7 @@ def assert_loads(path: Path | str, seed: int) -> None:
 
 
 def temps_under(*directories: Path) -> list[str]:
-    return [e for d in directories for e in os.listdir(d) if _publish.TEMP_MARK in e]
+    return [e for d in directories for e in os.listdir(d) if publish.TEMP_MARK in e]
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_a_long_file_name_still_gets_a_temp(tmp_path: Path) -> None:
         ckptstream.save(make_state(5), path)
         assert_loads(path, 5)
     assert temps_under(tmp_path) == []
-    a, b = (_publish.temp_path_for(str(tmp_path / ("y" * 200 + end))) for end in "ab")
+    a, b = (publish.temp_path_for(str(tmp_path / ("y" * 200 + end))) for end in "ab")
     assert a.rsplit("-", 4)[0] != b.rsplit("-", 4)[0], "two long names share their temps' prefix"
 
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _publish
+from ckptstream._storage import publish
+from ckptstream._storage.local import LOCAL
 
 DEAD_PID = 4_194_304 + 1  # past the largest pid_max Linux allows: never a process
 NOBODY, OTHER = 65534, 1000  # uids of the sticky-directory test
@@ -31,8 +32,8 @@ NOBODY, OTHER = 65534, 1000  # uids of the sticky-directory test
 
 def temp_name(path: Path, host: str | None = None, ns: int | None = None, pid: int = DEAD_PID) -> str:
     host = socket.gethostname() if host is None else host
-    ns = _publish.pid_namespace() if ns is None else ns
-    return f".{path.name}{_publish.TEMP_MARK}{host}-{ns}-{pid}-0123456789ab"
+    ns = publish.pid_namespace() if ns is None else ns
+    return f".{path.name}{publish.TEMP_MARK}{host}-{ns}-{pid}-0123456789ab"
 
 
 def leave(directory: Path, *names: str, age_s: float = 0) -> None:
@@ -56,17 +57,17 @@ def test_parsing_the_temp_name_is_exact(tmp_path: Path, monkeypatch: pytest.Monk
     ``vm-1``, ``xvm``, ``VM``), one of another PID namespace, or a name it does not make."""
     monkeypatch.setattr(socket, "gethostname", lambda: "vm")
     path = tmp_path / "ckpt.safetensors"
-    ns = _publish.pid_namespace()
+    ns = publish.pid_namespace()
     assert ns, "this test needs /proc/self/ns/pid"
     own = temp_name(path, "vm")
     kept = [temp_name(path, host) for host in ("vm-99999", "vm-1", "xvm", "VM", "")]
     kept += [temp_name(path, "vm", ns + 1), temp_name(path, "vm", 0),
-             f".{path.name}{_publish.TEMP_MARK}vm-{DEAD_PID}-0123456789ab",  # no namespace in it
-             f".{path.name}{_publish.TEMP_MARK}vm-{ns}-{DEAD_PID}-0123456789abc",
-             f".{path.name}{_publish.TEMP_MARK}vm-{ns}-{DEAD_PID}",
+             f".{path.name}{publish.TEMP_MARK}vm-{DEAD_PID}-0123456789ab",  # no namespace in it
+             f".{path.name}{publish.TEMP_MARK}vm-{ns}-{DEAD_PID}-0123456789abc",
+             f".{path.name}{publish.TEMP_MARK}vm-{ns}-{DEAD_PID}",
              temp_name(tmp_path / "other.safetensors", "vm"), f"{path.name}.bak"]
     leave(tmp_path, own, *kept)
-    assert temp_name(path, "vm-99999").startswith(f".{path.name}{_publish.TEMP_MARK}vm-")  # a prefix match's trap
+    assert temp_name(path, "vm-99999").startswith(f".{path.name}{publish.TEMP_MARK}vm-")  # a prefix match's trap
     save_small(path)
     assert sorted(os.listdir(tmp_path)) == sorted([*kept, path.name])
 
@@ -93,11 +94,11 @@ def test_a_live_writer_keeps_its_temp_also_another_users(tmp_path: Path, monkeyp
 
 def test_temps_untouched_for_a_day_are_removed_whoever_wrote_them(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    day = _publish.STALE_AFTER_S
+    day = publish.STALE_AFTER_S
     old = [temp_name(path, "elsewhere", pid=7), temp_name(path, ns=1, pid=os.getpid()),
-           f".{path.name}{_publish.TEMP_MARK}elsewhere-7-0123456789ab"]
+           f".{path.name}{publish.TEMP_MARK}elsewhere-7-0123456789ab"]
     recent = [temp_name(path, "elsewhere2", pid=7), temp_name(path, ns=1, pid=8)]
-    not_ours = [f".{path.name}{_publish.TEMP_MARK}notes.txt", f"{path.name}.old"]
+    not_ours = [f".{path.name}{publish.TEMP_MARK}notes.txt", f"{path.name}.old"]
     leave(tmp_path, *old, age_s=day + 60)
     leave(tmp_path, *recent, age_s=day - 60)
     leave(tmp_path, *not_ours, age_s=10 * day)
@@ -142,7 +143,7 @@ def test_a_leftover_of_another_user_in_a_sticky_directory(sticky_dir: Path) -> N
     and saves anyway. A forked child switches users and publishes through ``atomic_file``."""
     path = sticky_dir / "ckpt.safetensors"
     theirs = temp_name(path, pid=DEAD_PID)
-    leave(sticky_dir, theirs, age_s=2 * _publish.STALE_AFTER_S)
+    leave(sticky_dir, theirs, age_s=2 * publish.STALE_AFTER_S)
     os.chown(sticky_dir / theirs, OTHER, OTHER)
     read, write = os.pipe()
     with warnings.catch_warnings():
@@ -154,7 +155,7 @@ def test_a_leftover_of_another_user_in_a_sticky_directory(sticky_dir: Path) -> N
             os.close(read)
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            with _publish.atomic_file(str(path)) as f:
+            with LOCAL.create(str(path)) as f:
                 os.pwrite(f.fd, b"new checkpoint", 0)
             code = 0
         except BaseException as e:
@@ -173,14 +174,15 @@ def test_a_leftover_of_another_user_in_a_sticky_directory(sticky_dir: Path) -> N
 
 CHILD = textwrap.dedent("""
     import json, os, sys
-    from ckptstream import _publish
+    from ckptstream._storage import publish
+    from ckptstream._storage.local import LOCAL
     path, live = sys.argv[1], sys.argv[2]
     own_dead = os.path.join(os.path.dirname(path), os.path.basename(live).rsplit("-", 3)[0]
-                            + f"-{_publish.pid_namespace()}-30000-0123456789ab")
+                            + f"-{publish.pid_namespace()}-30000-0123456789ab")
     open(own_dead, "wb").close()
-    with _publish.atomic_file(path) as f:
+    with LOCAL.create(path) as f:
         os.pwrite(f.fd, b"from the child", 0)
-    print(json.dumps({"pid": os.getpid(), "ns": _publish.pid_namespace(), "own_dead": os.path.basename(own_dead)}))
+    print(json.dumps({"pid": os.getpid(), "ns": publish.pid_namespace(), "own_dead": os.path.basename(own_dead)}))
 """)
 
 
@@ -193,14 +195,14 @@ def test_a_writer_in_another_pid_namespace_keeps_our_live_temp(tmp_path: Path) -
     if probe.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {probe.stderr.strip()}")
     path = tmp_path / "ckpt.safetensors"
-    with _publish.atomic_file(str(path)) as f:  # a live save of this process, its temp open
+    with LOCAL.create(str(path)) as f:  # a live save of this process, its temp open
         live = os.readlink(f"/proc/self/fd/{f.fd}")
         os.pwrite(f.fd, b"from the parent", 0)
         child = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", CHILD, str(path), live],
                                capture_output=True, text=True, timeout=120)
         assert child.returncode == 0, child.stderr
         report = json.loads(child.stdout)
-        assert report["ns"] != _publish.pid_namespace()
+        assert report["ns"] != publish.pid_namespace()
         assert report["pid"] < 100
         assert os.path.exists(live), "the child removed a live writer's temp"
         assert not os.path.exists(tmp_path / report["own_dead"]), "a dead temp of the child's namespace stayed"

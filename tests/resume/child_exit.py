@@ -14,6 +14,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -30,14 +31,39 @@ def failing_after(chunks: int) -> None:
     def write(self: WriteEngine, chunk: Any, buf: Any) -> None:
         count[0] += 1
         if count[0] > chunks:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.path)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", self.file.name)
         real(self, chunk, buf)
 
     WriteEngine._write = write  # type: ignore[method-assign]
 
 
+def held_until_exit() -> None:
+    """This process's saves write nothing until its exit hook has announced that it waits for
+    them: a save is still in flight however long anything before takes (a forked child's own
+    saves are not held)."""
+    from ckptstream import _async
+
+    parent, gate = os.getpid(), threading.Event()
+    real_write, real_say = WriteEngine._write, _async.say
+
+    def write(self: WriteEngine, chunk: Any, buf: Any) -> None:
+        if os.getpid() == parent:
+            gate.wait()
+        real_write(self, chunk, buf)
+
+    def say(line: str) -> None:
+        real_say(line)
+        if line.startswith("waiting for the background save"):
+            gate.set()
+
+    WriteEngine._write = write  # type: ignore[method-assign]
+    _async.say = say
+
+
 def main(case: str, path: str) -> None:
-    slow_chunks({"in-flight-slow": 0.25, "fork": 0.02}.get(case, 0.002))  # slow: 16 s, cut short by Ctrl-C
+    slow_chunks({"in-flight-slow": 0.25}.get(case, 0.002))  # slow: 16 s, cut short by Ctrl-C
+    if case == "fork":
+        held_until_exit()
     if case.startswith("fail"):
         failing_after(5)
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}

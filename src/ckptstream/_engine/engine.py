@@ -1,8 +1,9 @@
 """What the write engine and the read engine share: the plan, the staging buffers, the I/O
 threads that each own some buffers and claim chunks in file order, the failure they share, and
-the way a transfer is started, waited on and cancelled from outside.
+the way a transfer is started, waited on and cancelled from outside. They move bytes through a
+storage target (a ``Sink`` to write, a ``Source`` to read), which says the grid to plan on.
 
-    engine = WriteEngine(file, pieces, settings, checksum=True)   # in the caller's thread
+    engine = WriteEngine(sink, pieces, settings, checksum=True)   # in the caller's thread
     with engine:             # leaving the block early cancels it and joins its threads
         engine.start()       # any thread
         crcs = engine.wait() # the first error is raised here; the buffers are back
@@ -14,13 +15,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
 from .. import _checksum, _gc
-from .._fileio import OpenFile
-from .._settings import ALIGN, DirectIO, Settings
+from .._settings import Settings
+from .._storage import Target
 from . import control, streams
 from .buffers import POOL, StagingBuffer
 from .layout import flat_bytes, host_bytes
@@ -33,7 +34,10 @@ _ENGINES = itertools.count()
 BATCH = 8  # device parts in a run from which one copy and one gather / scatter kernel move them
 
 
-class Engine:
+T = TypeVar("T", bound=Target)
+
+
+class Engine(Generic[T]):
     """Moves ``pieces`` between tensors and ``file`` through staging buffers, on I/O threads of
     its own. Its copies follow the work queued on the CUDA streams of the thread that makes it
     (or on ``stream``) before it was made, or before ``after = streams.mark(...)`` was taken;
@@ -41,18 +45,16 @@ class Engine:
 
     writing: ClassVar[bool]
 
-    def __init__(self, file: OpenFile, pieces: Sequence[Piece], cfg: Settings, *,
+    def __init__(self, file: T, pieces: Sequence[Piece], cfg: Settings, *,
                  stream: torch.cuda.Stream | None = None, after: streams.Mark | None = None,
                  checksum: bool = False, progress: Progress | None = None) -> None:
         check_pieces(pieces, writing=self.writing)
         cfg = self.tune(cfg, file, pieces)
         self.file, self.pieces, self.cfg, self.checksum = file, pieces, cfg, checksum
         self.streams = streams.make((p.tensor for p in pieces if p.tensor is not None), stream, after)
-        direct = cfg.direct_io is DirectIO.ON or (
-            cfg.direct_io is DirectIO.AUTO and self.writing and cfg.buffer_size % ALIGN == 0)
-        self.direct_fd = file.direct_fd(force=cfg.direct_io is DirectIO.ON) if direct else None
+        self.grid = file.grid(cfg.buffer_size, cfg.direct_io)
         with _gc.paused():
-            self.chunks = plan(pieces, cfg.buffer_size, ALIGN if self.direct_fd is not None else 1)
+            self.chunks = plan(pieces, cfg.buffer_size, self.grid)
             self._route(pieces)
         self.failure = control.Failure()
         self.part_crcs: list[PartCrcs] = [[] for _ in self.chunks]
@@ -86,7 +88,7 @@ class Engine:
 
     # --- from outside ---------------------------------------------------------------------
 
-    def start(self) -> Engine:
+    def start(self) -> Engine[T]:
         """Take staging buffers and start the I/O threads."""
         if self._started:
             raise RuntimeError("an engine starts once")
@@ -140,7 +142,7 @@ class Engine:
             self.start()
             return self.wait()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine[T]:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,7 +155,7 @@ class Engine:
 
     # --- the I/O threads ------------------------------------------------------------------
 
-    def tune(self, cfg: Settings, file: OpenFile, pieces: Sequence[Piece]) -> Settings:
+    def tune(self, cfg: Settings, file: T, pieces: Sequence[Piece]) -> Settings:
         """The settings of this transfer (an engine may adapt them to its work)."""
         return cfg
 

@@ -1,9 +1,10 @@
 """What a transfer moves and in which chunks: pieces (a tensor's bytes at a file offset) cut into
 chunks of one staging buffer each.
 
-Chunks lie on a grid aligned to the file system's block size, so that every chunk but the first
-of a run starts on an aligned file offset (O_DIRECT). Many small pieces share one chunk; one
-large piece spans many. Stretches of the file that no piece needs are skipped.
+Chunks lie on the grid the storage target asks for (``Target.grid``: a local file's block size
+under O_DIRECT, an object store's part size), so that every chunk but the first of a run starts
+on a multiple of it. Many small pieces share one chunk; one large piece spans many. Stretches of
+the file that no piece needs are skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._fileio import round_down
+from .._storage import round_down
 
 
 class Piece(NamedTuple):
@@ -91,8 +92,9 @@ def check_pieces(pieces: Sequence[Piece], *, writing: bool) -> None:
 
 def plan(pieces: Sequence[Piece], buffer_size: int, align: int) -> list[Chunk]:
     """The chunks that move ``pieces``, in file order (pieces sorted by offset; reads may
-    overlap). A chunk covers at most ``buffer_size`` bytes from its aligned origin. (Written
-    for speed: a state may hold hundreds of thousands of small tensors.)"""
+    overlap). A chunk covers at most ``buffer_size`` bytes from its origin, a multiple of
+    ``align`` (the target's grid). (Written for speed: a state may hold hundreds of thousands
+    of small tensors.)"""
     offsets = [p[1] for p in pieces]
     chunks: list[Chunk] = []
     last = Chunk(-1, 0, 0, -1, [])

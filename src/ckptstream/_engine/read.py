@@ -1,10 +1,10 @@
 """The read engine: file -> tensors.
 
 Per chunk, on the I/O thread that claimed it: wait until the staging buffer's previous
-host-to-device copies are done -> pread the chunk -> enqueue the copies into the tensors (side
-streams) -> record events (the buffer is free again once they complete) -> checksum the buffer
-while the device copies it. Loads into CUDA tensors checksum large contiguous tensors on the
-device instead, once every copy is queued (see gpucrc).
+host-to-device copies are done -> read the chunk from the source -> enqueue the copies into the
+tensors (side streams) -> record events (the buffer is free again once they complete) ->
+checksum the buffer while the device copies it. Loads into CUDA tensors checksum large
+contiguous tensors on the device instead, once every copy is queued (see gpucrc).
 
 Copies into non-contiguous tensors take turns in file order across the threads: an element cut
 by a chunk's end waits in a carry until the next chunk completes it.
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .. import _checksum, _fileio
+from .. import _checksum
 from .._errors import TruncatedFileError
-from .._fileio import OpenFile
 from .._settings import ALIGN, DirectIO, Settings
+from .._storage import Source, round_down, round_up
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
@@ -49,7 +49,7 @@ HOT_FROM = 64 << 20  # smaller loads finish before more threads would pay
 HOT_SHARE = 0.9  # of the bytes in the page cache: a hot load
 
 
-class ReadEngine(Engine):
+class ReadEngine(Engine[Source]):
     """Fills each piece's tensor bytes from its file offset (pieces may overlap).
 
     With ``spans`` (file ranges, sorted, disjoint, each inside one piece), ``wait`` returns the
@@ -81,8 +81,9 @@ class ReadEngine(Engine):
         self._spans_of = self._device_spans() if spans is not None and self.checksum else {}
         for i in self._spans_of:
             self.on_device[i] = True
-        # chunks read straight into host tensors: no staging buffer, no second copy
-        self._unstaged = [self.direct_fd is None and _host_runs(c, self.host) for c in self.chunks]
+        # chunks read straight into host tensors: no staging buffer, no second copy (where the
+        # source reads anywhere: a grid's whole blocks need the aligned staging buffers)
+        self._unstaged = [self.grid == 1 and _host_runs(c, self.host) for c in self.chunks]
 
     def _device_spans(self) -> dict[int, tuple[int, int]]:
         """Per device piece of several spans whose spans the device can checksum: the range of
@@ -107,7 +108,7 @@ class ReadEngine(Engine):
     def staged_chunks(self) -> int:
         return self._unstaged.count(False)
 
-    def tune(self, cfg: Settings, file: OpenFile, pieces: Sequence[Piece]) -> Settings:
+    def tune(self, cfg: Settings, file: Source, pieces: Sequence[Piece]) -> Settings:
         """A load into host memory from a file the page cache holds is bound by memory copies,
         not by the disk: then more readers (hot_io_threads, up to the cores), the same staging
         split among them. (Loads into a device are bound by the host-to-device link, which the
@@ -118,7 +119,7 @@ class ReadEngine(Engine):
                 or any(p.tensor is not None and p.tensor.device.type != "cpu" for p in moved)):
             return cfg
         begin, end = min(p.offset for p in moved), max(p.end for p in moved)
-        if end - begin < HOT_FROM or (_fileio.resident_fraction(file.fd, begin, end - begin) or 0) < HOT_SHARE:
+        if end - begin < HOT_FROM or (file.resident_fraction(begin, end - begin) or 0) < HOT_SHARE:
             return cfg
         staging = cfg.buffer_size * cfg.num_buffers
         size = max(ALIGN, staging // max(threads, cfg.num_buffers) // ALIGN * ALIGN)
@@ -187,7 +188,7 @@ class ReadEngine(Engine):
             end = pos + part.hi - part.lo
         for pos, views in runs:
             nbytes = sum(len(v) for v in views)
-            got = _fileio.preadv_all(self.file.fd, views, pos, self.file.path)
+            got = self.file.readv_into(views, pos)
             if got < nbytes:
                 self._truncated(pos + got)
         if self.checksum:
@@ -220,7 +221,7 @@ class ReadEngine(Engine):
     def _truncated(self, file_end: int) -> None:
         """Report a file that ends at ``file_end`` for the whole read."""
         begin, end = self.chunks[0].start, max(c.stop for c in self.chunks)
-        raise TruncatedFileError(self.file.path, begin, end - begin, max(0, file_end - begin))
+        raise TruncatedFileError(self.file.name, begin, end - begin, max(0, file_end - begin))
 
     def _carry(self, piece: int, t: torch.Tensor) -> torch.Tensor:
         if piece not in self._carries:
@@ -228,15 +229,12 @@ class ReadEngine(Engine):
         return self._carries[piece]
 
     def _read(self, chunk: Chunk, buf: StagingBuffer) -> None:
-        """pread one chunk in one call (from a hot page cache, small reads run at a fraction of
-        the speed of whole-buffer ones)."""
-        path, origin = self.file.path, chunk.origin
-        if self.direct_fd is not None:  # whole aligned blocks; bytes beyond the chunk are ignored
-            lo, hi = _fileio.round_down(chunk.start, ALIGN), _fileio.round_up(chunk.stop, ALIGN)
-            got = _fileio.pread_into(self.direct_fd, buf.view[lo - origin : hi - origin], lo, path)
-        else:
-            lo = chunk.start
-            got = _fileio.pread_into(self.file.fd, buf.view[lo - origin : chunk.stop - origin], lo, path)
+        """Read one chunk in one call (from a hot page cache, small reads run at a fraction of
+        the speed of whole-buffer ones); on a grid, its whole blocks (bytes beyond the chunk are
+        ignored)."""
+        origin, grid = chunk.origin, self.grid
+        lo, hi = round_down(chunk.start, grid), round_up(chunk.stop, grid)
+        got = self.file.read_into(buf.view[lo - origin : hi - origin], lo)
         if lo + got < chunk.stop:  # the file ends at lo + got
             self._truncated(lo + got)
 

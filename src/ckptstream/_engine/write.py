@@ -2,7 +2,8 @@
 
 Per chunk, on the I/O thread that claimed it: enqueue the device-to-host copies of the chunk's
 bytes into one of the thread's staging buffers (on the side streams) -> record events -> wait
-for them (the buffer holds the chunk only once the copies are done) -> checksum -> pwrite.
+for them (the buffer holds the chunk only once the copies are done) -> checksum -> write it at
+its offset of the sink.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from functools import partial
 
 import torch
 
-from .. import _checksum, _fileio
-from .._settings import ALIGN
+from .. import _checksum
+from .._storage import Sink
 from .buffers import StagingBuffer
 from .engine import BATCH, Engine
 from .layout import copy_out
@@ -31,7 +32,7 @@ def _gather(flats: list[torch.Tensor], staged: torch.Tensor) -> None:
     staged.copy_(scratch, non_blocking=True)
 
 
-class WriteEngine(Engine):
+class WriteEngine(Engine[Sink]):
     """Writes each piece's tensor bytes at its file offset (pieces back to back)."""
 
     writing = True
@@ -73,15 +74,7 @@ class WriteEngine(Engine):
         return flat if part.lo == 0 and part.hi == len(flat) else flat[part.lo : part.hi]
 
     def _write(self, chunk: Chunk, buf: StagingBuffer) -> None:
-        """pwrite one chunk; with O_DIRECT the aligned middle goes direct, unaligned edges
-        buffered (padding the edges instead would overwrite bytes that follow in an existing
-        file)."""
-        path, lo, hi, origin = self.file.path, chunk.start, chunk.stop, chunk.origin
-        if self.direct_fd is not None:
-            a_lo, a_hi = _fileio.round_up(lo, ALIGN), _fileio.round_down(hi, ALIGN)
-            if a_lo < a_hi:
-                self.file.pwrite_direct(buf.view[a_lo - origin : a_hi - origin], a_lo)
-                _fileio.pwrite_all(self.file.fd, buf.view[lo - origin : a_lo - origin], lo, path)
-                _fileio.pwrite_all(self.file.fd, buf.view[a_hi - origin : hi - origin], a_hi, path)
-                return
-        _fileio.pwrite_all(self.file.fd, buf.view[lo - origin : hi - origin], lo, path)
+        """Write one chunk: its bytes sit in the buffer from where its origin (on the sink's
+        grid) does, so a slice of the buffer lies on the grid like its offset."""
+        lo, origin = chunk.start, chunk.origin
+        self.file.write_at(buf.view[lo - origin : chunk.stop - origin], lo)

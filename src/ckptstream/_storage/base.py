@@ -1,0 +1,221 @@
+"""The storage seam: what the engines, the readers and the checkpoint API ask of the place a
+checkpoint lives, and nothing more.
+
+    source = storage_for(path).open(path)      # a target to read: size, positional reads
+    with storage_for(path).create(path) as sink:
+        sink.write_at(view, offset)           # any thread, any order
+    # leaving the block publishes the new object atomically and durably (or, on an error,
+    # abandons it: the old object stays as it was)
+
+A ``Storage`` is a namespace of targets (a local file system; an object store's bucket): it
+opens ``Source``s and creates ``Sink``s, and lists, removes and syncs what the checkpoint
+manager keeps there. Positional and vectored I/O and the publish protocol are part of the seam
+because speed (reads and writes from several threads straight into and out of the staging
+buffers) and safety (a reader sees the old complete object or the new one) come from them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import posixpath
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, TypeVar
+
+from .._settings import DirectIO
+
+Kind = Literal["file", "folder", "other"]
+S = TypeVar("S", bound="Sink")
+R = TypeVar("R", bound="Source")
+
+
+def round_down(value: int, align: int) -> int:
+    return value - value % align
+
+
+def round_up(value: int, align: int) -> int:
+    return -(-value // align) * align
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One name in a folder: a file (an object), a folder (a prefix), or something else (a
+    symbolic link, a FIFO, a device: never followed)."""
+
+    name: str
+    kind: Kind
+
+
+class Target(abc.ABC):
+    """What sources and sinks share: a name for messages and the grid transfers are planned on."""
+
+    name: str  # the path or URL, for messages
+
+    @abc.abstractmethod
+    def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
+        """The alignment the engine plans one transfer's chunks on (1: anywhere): every chunk
+        but a run's first starts on a multiple of it, and covers at most ``buffer_size`` bytes
+        from a multiple of it. Called once per transfer, before its first read or write, with
+        the transfer's settings; may prepare what those reads or writes need (a local file's
+        O_DIRECT twin) and raises where ``direct_io`` asks for what the target cannot do."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the target holds (descriptors, connections); safe to call twice."""
+
+
+class Sink(Target):
+    """A target opened for writing. Nothing is visible under its name until ``publish``; then
+    all of it is, atomically and durably. ``abandon`` drops it instead. As a context manager:
+    published when the block ends normally (unless it was already), abandoned when it raises."""
+
+    @abc.abstractmethod
+    def write_at(self, view: memoryview, offset: int) -> None:
+        """Write all of ``view`` at byte ``offset``; from any thread, in any order. Raises
+        OSError (naming the target) where the bytes cannot be written; never writes fewer."""
+
+    @abc.abstractmethod
+    def publish(self) -> None:
+        """Make the written bytes the target's, atomically (a reader sees the old object or the
+        new one, never a mix) and durably; then the sink is closed. Where it raises, nothing
+        new is visible, unless the message says otherwise (a local file system's directory
+        fsync fails after the rename)."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """Drop what was written (the old object, if any, stays as it was) and close; never
+        raises. Nothing happens after ``publish``."""
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.publish()
+        else:
+            self.abandon()
+
+
+class Region(Protocol):
+    """A private, copy-on-write mapping of some of a source's bytes (see ``Source.map``)."""
+
+    @property
+    def buffer(self) -> Any:
+        """The mapped bytes, writable (writes stay in this process), exported through the buffer
+        protocol; the mapping lives as long as it and every object made from it."""
+
+    def prefetch(self, lo: int, hi: int) -> bool:
+        """Bring bytes [lo, hi) of the mapping into memory now, in few calls (a hint); whether
+        it was taken."""
+
+
+class Source(Target):
+    """A target opened for reading. As a context manager: closed when the block ends."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The target's length in bytes, as it is now."""
+
+    @abc.abstractmethod
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from byte ``offset``; returns the bytes read, fewer only where the
+        target ends. From any thread."""
+
+    def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
+        """Fill ``views`` one after another from byte ``offset`` (back-to-back bytes into many
+        buffers, in few requests where the target allows); returns the bytes read, fewer only
+        where the target ends."""
+        done = 0
+        for view in views:
+            got = self.read_into(view, offset + done)
+            done += got
+            if got < len(view):
+                break
+        return done
+
+    def resident_fraction(self, offset: int, length: int) -> float | None:
+        """The fraction of bytes offset..offset+length already in memory (a local file's page
+        cache): a hint for how many readers pay. None where unknown."""
+        return None
+
+    def map(self, offset: int, length: int) -> Region | None:
+        """A private mapping of ``length`` bytes from ``offset`` (a multiple of the page size),
+        whose pages are read when first touched; None where the target cannot be mapped."""
+        return None
+
+    def __enter__(self: R) -> R:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Storage(abc.ABC):
+    """A namespace of targets named by paths (a local file system) or URLs (a bucket)."""
+
+    @abc.abstractmethod
+    def open(self, path: str) -> Source:
+        """``path`` opened for reading. Raises FileNotFoundError where it does not exist, and
+        OSError (without blocking) where it is not a file: a folder, a FIFO, a device."""
+
+    @abc.abstractmethod
+    def create(self, path: str) -> Sink:
+        """A sink that publishes to ``path`` (replacing what is there, atomically). Raises
+        before anything is written where it cannot (see ``check_target``); clears what dead
+        writers of ``path`` left (``remove_temps``)."""
+
+    @abc.abstractmethod
+    def check_target(self, path: str) -> str:
+        """The name ``create(path)`` would publish under (a local file system: the absolute path
+        through symbolic links); raises now where a sink could not be created there (a folder, a
+        FIFO, a missing parent folder), before a caller does work for it."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """The length of the file ``path``; FileNotFoundError where there is none."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` names a file or a folder."""
+
+    @abc.abstractmethod
+    def list_folder(self, folder: str) -> list[Entry]:
+        """The entries of ``folder``, sorted by name; FileNotFoundError where there is none."""
+
+    @abc.abstractmethod
+    def remove(self, path: str, *, missing_ok: bool = False) -> None:
+        """Remove the file ``path`` (FileNotFoundError where there is none, unless ``missing_ok``)."""
+
+    @abc.abstractmethod
+    def remove_tree(self, folder: str) -> None:
+        """Remove ``folder`` and everything in it; nothing happens where there is none."""
+
+    @abc.abstractmethod
+    def make_folders(self, folder: str) -> None:
+        """Create ``folder`` and any missing parents (nothing where they exist)."""
+
+    @abc.abstractmethod
+    def sync_folder(self, folder: str) -> None:
+        """Make the entries of ``folder`` (names created, renamed or removed in it) durable; a
+        no-op where every name change is durable once made (object stores)."""
+
+    @abc.abstractmethod
+    def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
+        """Remove what unfinished writes of ``path`` left (a local file system: temp files
+        beside it; an object store: incomplete uploads): with ``stale_only``, only those whose
+        writers are certainly gone. Returns what was removed; never raises."""
+
+    @abc.abstractmethod
+    def read_small(self, path: str, limit: int) -> bytes:
+        """All of the small file ``path`` (a marker, a metadata file): FileNotFoundError where
+        there is none, OSError (without blocking) where it is not a file or holds more than
+        ``limit`` bytes."""
+
+    def write_small(self, path: str, data: bytes) -> None:
+        """Publish ``data`` as the file ``path``, atomically and durably (``create``)."""
+        with self.create(path) as sink:
+            sink.write_at(memoryview(data), 0)
+
+    def join(self, folder: str, *names: str) -> str:
+        """The path of ``names`` inside ``folder``."""
+        return posixpath.join(folder, *names)
