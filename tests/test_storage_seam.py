@@ -33,10 +33,10 @@ NOT_YET_PORTED = {
     "_async.py": "checks a save's target through the old _publish name; then storage_for(path).check_target",
     "_fileio.py": "the old name of the descriptor primitives, kept for the modules above until they are ported",
     "_publish.py": "the old name of the publish protocol, kept for the modules above until they are ported",
-    "dcp/_metadata.py": "reads and writes .metadata itself; then read_small / write_small",
-    "dcp/_rankfile.py": "writes rank files through the old names and clears leftovers; then create / list_folder / "
-                        "remove / remove_temps (or the one checkpoint writer)",
-    "dcp/_writer.py": "makes the checkpoint's folder and removes a failed rank's file; then make_folders / remove",
+    "cli.py": "tells a file from a folder itself; then storage_for(path).list_folder / exists",
+    "_cli_dirs.py": "checks the manager's and DCP's folders itself; then the manager's and DCP's own checks",
+    "_cli_files.py": "sniffs what a given file is; then read_small",
+    "lightning/_io.py": "removes and checks Lightning's files itself; then storage_for(path).remove / exists",
 }
 
 # calls that touch files or descriptors: module functions, by their dotted name

@@ -58,8 +58,10 @@ def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bo
 
 def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
                      stream: torch.cuda.Stream | None = None, after: Mark | None = None,
-                     staged: Callable[[], None] | None = None) -> None:
-    """Write ``plan`` to a sink of ``path`` (a path or URL) and publish it atomically; the copies
+                     staged: Callable[[], None] | None = None) -> list[int]:
+    """Write ``plan`` to a sink of ``path`` (a path or URL) and publish it atomically; returns
+    each tensor's CRC-32C in file order (empty without checksums). The one writer of checkpoint
+    files: ``save``, ``save_async``, the manager and ``ckptstream.dcp``'s rank files. The copies
     follow the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine).
     ``staged`` is called once every byte of the tensors is out of them (before the header's
     checksums and the publication): a background save lets its caller change the tensors from
@@ -84,6 +86,7 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
         if plan.checksum:  # the same length: written over the placeholders
             sink.write_at(memoryview(_header.fill(plan.header, crcs)), 0)
         raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place
+    return crcs
 
 
 def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,

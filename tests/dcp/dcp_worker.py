@@ -342,7 +342,7 @@ def resave_fails_on_one_rank(ctx: Ctx) -> None:
             def no_space(fd: int, view: memoryview, offset: int, path: str) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device (the test's)", path)
 
-            _fileio.pwrite_all = no_space
+            fileio.pwrite_all = no_space
         try:
             dcp.save(state, storage_writer=writer)
         except CheckpointException as e:

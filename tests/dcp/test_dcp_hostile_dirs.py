@@ -25,7 +25,7 @@ from dcp_helpers import load_1, poisoned_like, raises_metadata_error, same_bits,
 
 import ckptstream
 import ckptstream.dcp
-from ckptstream import _fileio
+from ckptstream._storage import fileio as _fileio
 from ckptstream.dcp import _metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -186,6 +186,6 @@ def test_metadata_beyond_the_bound_is_not_read(tmp_path: Path, monkeypatch: pyte
 
     monkeypatch.setattr(_fileio, "pread_into", pread_into)
     with pytest.raises(ckptstream.CorruptCheckpointError,
-                       match=rf"^{ckpt / '.metadata'}: 1048577 bytes, more than the 1048576 that"):
+                       match=rf"^{ckpt / '.metadata'}: holds 1048577 bytes, more than the 1048576 expected"):
         ckptstream.dcp.checkpoint_files(ckpt)
     assert reads == []

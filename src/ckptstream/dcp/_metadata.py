@@ -23,9 +23,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import _fileio
 from .._errors import CorruptCheckpointError, UnsupportedTypeError
-from .._publish import atomic_file
+from .._storage import storage_for
 from . import _pickles
 
 METADATA_NAME = ".metadata"  # DCP's name, so tools that look for a finished checkpoint find it
@@ -119,17 +118,16 @@ def metadata_name(rank: int | None) -> str:
 def write_metadata(directory: str, metadata: Metadata, rank: int | None) -> str:
     """Pickle ``metadata`` into the checkpoint's directory atomically (temp, fsync, rename,
     directory fsync); returns its path."""
-    path = os.path.join(directory, metadata_name(rank))
-    data = _pickles.dumps(metadata)
-    with atomic_file(path) as file:
-        _fileio.pwrite_all(file.fd, memoryview(data), 0, file.path)
+    storage = storage_for(directory)
+    path = storage.join(directory, metadata_name(rank))
+    storage.write_small(path, _pickles.dumps(metadata))
     return path
 
 
 def read_metadata(directory: str, rank: int | None, *, trusted: bool) -> Metadata:
     """The unpickled ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint in ``directory``,
     its chunks' files checked to be plain names in the directory."""
-    path = os.path.join(directory, metadata_name(rank))
+    path = storage_for(directory).join(directory, metadata_name(rank))
     data = _read_file(path, directory, rank)
     if trusted:  # the caller vouched for the file
         try:
@@ -148,28 +146,22 @@ def read_metadata(directory: str, rank: int | None, *, trusted: bool) -> Metadat
 def _read_file(path: str, directory: str, rank: int | None) -> bytes:
     """The bytes of a regular file, opened without blocking (a FIFO, a device, a directory
     named .metadata is refused) and at most MAX_METADATA_BYTES long."""
+    storage = storage_for(directory)
     try:
-        fd = _fileio.open_path(path, os.O_RDONLY, "opening the checkpoint's metadata")
+        return storage.read_small(path, MAX_METADATA_BYTES)
     except FileNotFoundError as e:
-        what = "" if os.path.isdir(directory) else " (the directory does not exist)"
+        what = "" if storage.exists(directory) else " (the directory does not exist)"
         raise FileNotFoundError(e.errno, f"no {metadata_name(rank)}{what}: not a complete DCP checkpoint (a save "
                                          "that did not finish leaves none); load an earlier checkpoint", path) from e
     except OSError as e:
+        if e.errno == errno.EFBIG:
+            raise CorruptCheckpointError(f"{path}: {e.strerror} (the bound of a DCP checkpoint's metadata); it is "
+                                         "damaged or not DCP's metadata") from e
+        if e.errno == errno.EAGAIN:
+            raise CorruptCheckpointError(f"{path}: {e.strerror}") from e
         if e.errno not in (errno.EINVAL, errno.EISDIR):  # not a regular file
             raise
         raise CorruptCheckpointError(f"{path}: {e.strerror}; a DCP checkpoint's metadata is a regular file") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_METADATA_BYTES:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} that a DCP "
-                                         "checkpoint's metadata may take; it is damaged or not DCP's metadata")
-        data = bytearray(size)
-        got = _fileio.pread_into(fd, memoryview(data), 0, path)
-    finally:
-        os.close(fd)
-    if got != size:
-        raise CorruptCheckpointError(f"{path}: ended after {got} of its {size} bytes (it changed while read)")
-    return bytes(data)
 
 
 def is_plain_name(name: object) -> bool:

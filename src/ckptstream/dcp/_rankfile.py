@@ -13,23 +13,21 @@ engine into a temp file beside the final name, which is published atomically.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .. import _fileio, _header
-from .._engine import Mark, Piece, WriteEngine, check_tensor, interrupts_deferred
-from .._engine.control import raise_if_interrupted
+from .. import _header
+from .._engine import Mark, check_tensor
 from .._errors import UnsupportedTypeError
 from .._header import TensorInfo
-from .._publish import TEMP_MARK, atomic_file, remove_stale_temps
+from .._save import CheckpointPlan, write_checkpoint
 from .._settings import Settings
+from .._storage import storage_for
 from ._metadata import StoredChunk
 
 RANK_FILE = "rank-{rank:05d}.safetensors"
@@ -49,13 +47,14 @@ def is_rank_file(name: str) -> bool:
 
 def remove_leftovers(directory: str, keep: set[str]) -> None:
     """Remove the rank files of an earlier save that this one does not replace (it had more
-    ranks), and the temps of rank files whose writers are gone."""
-    for entry in os.listdir(directory):
-        if is_rank_file(entry) and entry not in keep:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, entry))
-        elif entry.startswith(".") and TEMP_MARK in entry and is_rank_file(entry[1 : entry.index(TEMP_MARK)]):
-            remove_stale_temps(os.path.join(directory, entry[1 : entry.index(TEMP_MARK)]))
+    ranks), and the leftovers (temps, uploads) of rank files whose writers are gone."""
+    storage = storage_for(directory)
+    found = {e.name for e in storage.list_folder(directory) if is_rank_file(e.name)}
+    for name in sorted(found | keep):
+        path = storage.join(directory, name)
+        if name not in keep:
+            storage.remove(path, missing_ok=True)
+        storage.remove_temps(path)
 
 
 def check_items(items: Sequence[WriteItem]) -> None:
@@ -129,17 +128,10 @@ class RankFile:
         """Stream ``tensors`` (per info, in file order) into the file, publish it atomically,
         and return each info's storage record; ``copied`` is called once the tensors' bytes are
         all out of their memory (before the file is made durable)."""
-        path = os.path.join(directory, self.name)
+        plan = CheckpointPlan(self.header, self.infos, tensors, self.checksum)
+        crcs = write_checkpoint(plan, storage_for(directory).join(directory, self.name), cfg, after=after,
+                                staged=copied)
         start = len(self.header)
-        with interrupts_deferred(), atomic_file(path) as file:
-            _fileio.pwrite_all(file.fd, memoryview(self.header), 0, file.path)
-            pieces = [Piece.of(t, start + info.begin) for t, info in zip(tensors, self.infos, strict=True)]
-            crcs = WriteEngine(file, pieces, cfg, checksum=self.checksum, after=after).run()
-            if copied is not None:
-                copied()
-            if self.checksum:  # the same length: written over the placeholders
-                _fileio.pwrite_all(file.fd, memoryview(_header.fill(self.header, crcs)), 0, file.path)
-            raise_if_interrupted()  # a Ctrl-C until here leaves no file behind
         return [StoredChunk(self.name, start + info.begin, info.nbytes, info.name, crcs[i] if self.checksum else None)
                 for i, info in enumerate(self.infos)]
 

@@ -3,13 +3,14 @@ the conversion to one ``torch.save`` file that torch's ``format_utils`` does for
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._publish import atomic_file
+from .._storage import Sink, storage_for
 from . import _metadata
 
 
@@ -111,5 +112,26 @@ def dcp_to_torch_save(path: str | os.PathLike[str], torch_save_path: str | os.Pa
         if len(errors) == 1:
             raise errors[0] from e
         raise
-    with atomic_file(torch_save_path) as file, open(file.fd, "wb", closefd=False) as out:
+    target = os.fsdecode(torch_save_path)
+    with storage_for(target).create(target) as sink, io.BufferedWriter(_Appender(sink), 1 << 20) as out:
         torch.save(state, out)
+
+
+class _Appender(io.RawIOBase):
+    """A write-only stream that appends to a sink (what ``torch.save`` writes to)."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__()
+        self._sink, self._at = sink, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._sink.write_at(view, self._at)
+        self._at += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._at

@@ -15,7 +15,6 @@ torch 2.9+ needs to recognise it; torch 2.4-2.8 ask the writer itself to stage).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -30,8 +29,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._engine import Mark, mark
-from .._publish import fsync_dir
 from .._settings import INHERIT, call_settings
+from .._storage import storage_for
 from . import _metadata, _rankfile, _staging
 from ._staging import Staging
 
@@ -90,7 +89,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _rankfile.check_items(plan.items)
-        os.makedirs(self.path, exist_ok=True)
+        storage_for(self.path).make_folders(self.path)
         if self.rank is None:
             return plan
         if not self.use_collectives:  # this rank's own metadata, written last again
@@ -203,10 +202,12 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
 def _remove_durably(directory: str, names: list[str]) -> None:
     """Unlink ``names`` from ``directory`` and fsync it, so that the removal is on disk before
     any file of the new save is."""
+    storage = storage_for(directory)
     removed = False
     for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, name))
+        path = storage.join(directory, name)
+        if storage.exists(path):
+            storage.remove(path, missing_ok=True)
             removed = True
     if removed:
-        fsync_dir(directory)
+        storage.sync_folder(directory)
