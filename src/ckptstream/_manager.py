@@ -108,6 +108,7 @@ class CheckpointManager:
         self._last: int | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child owns none of this manager's saves
+        self._kept: set[str] = set()  # step folders kept for others' files, said once
 
     # --- listing --------------------------------------------------------------------------
 
@@ -211,18 +212,24 @@ class CheckpointManager:
         complete = [s for s, c in checks.items() if c.complete]
         doomed = complete[: -self.keep] if self.keep is not None else []
         # older incomplete steps: nobody writes them any more, every rank has finished ``newest``
-        # (a folder that holds only others' files is left as it is)
-        doomed += [s for s, c in checks.items() if s < newest and not c.complete and (c.own or not c.foreign)]
+        doomed += [s for s, c in checks.items() if s < newest and not c.complete]
         for s in sorted(doomed):
-            if s != newest:
-                self._remove(checks[s].folder)
+            check = checks[s]
+            if s == newest:
+                continue
+            kept = self._remove(check.folder) if check.own or not check.foreign else check.foreign
+            if kept and check.folder not in self._kept:  # said once per manager
+                self._say_kept(check.folder, kept)
 
-    def _remove(self, folder: str) -> None:
-        removed, kept = _layout.remove_step(self.directory, folder)
-        if removed and kept:
-            say(f"deleted the checkpoint files of {folder} but kept the folder: it holds files the manager did not "
-                f"write ({', '.join(kept[:5])}{', ...' if len(kept) > 5 else ''}); it is an incomplete step now, "
-                "never listed, and its files are never removed")
+    def _remove(self, folder: str) -> tuple[str, ...]:
+        """Delete a step's files (DONE first); what is left in its folder then."""
+        return _layout.remove_step(self.directory, folder)[1]
+
+    def _say_kept(self, folder: str, kept: tuple[str, ...]) -> None:
+        self._kept.add(folder)
+        say(f"kept the folder {folder}: it holds files the manager did not write ({', '.join(kept[:5])}"
+            f"{', ...' if len(kept) > 5 else ''}); the manager's own files there are deleted, and the folder is an "
+            "incomplete step, never listed, that the manager never removes")
 
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step`` (its DONE marker first, durably: a crash midway leaves an
@@ -241,7 +248,9 @@ class CheckpointManager:
         folder = _layout.step_dir(self.directory, step)
         if not os.path.isdir(folder) or os.path.islink(folder):
             raise FileNotFoundError(2, "no such checkpoint", folder)
-        self._remove(folder)
+        kept = self._remove(folder)
+        if kept:
+            self._say_kept(folder, kept)
         self._last = None  # steps after the newest complete one may be saved again
 
     def wait(self) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-sys.modules["numpy"] = None  # type: ignore[assignment]
+if "numpy" not in sys.modules:  # before torch: a plain install has no numpy
+    sys.modules["numpy"] = None  # type: ignore[assignment]
 
 import datetime
 import json

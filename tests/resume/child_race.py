@@ -73,7 +73,7 @@ def main(rank: int, directory: str, signals: Path, keep: int, max_in_flight: int
     with ckptstream.CheckpointManager(directory, rank=rank, world_size=2, keep=keep, max_in_flight=max_in_flight,
                                       timeout=20) as ckpts:
         handles = [ckpts.save(step, state(rank, step)) for step in steps]
-        for step, handle in zip(steps, handles):
+        for step, handle in zip(steps, handles, strict=True):
             try:
                 handle.result()
                 report[str(step)] = "ok"

@@ -40,7 +40,8 @@ def shard(rank: int, step: int) -> dict[str, Any]:
 def late_and_failing(rank: int) -> None:
     if rank != 1:
         return
-    real_write, real_fsync, failed = _save.write_checkpoint, _fileio.fsync, []
+    real_write, real_fsync = _save.write_checkpoint, _fileio.fsync
+    failed: list[str] = []
 
     def write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         if "step-000000000002" in path:
@@ -55,7 +56,22 @@ def late_and_failing(rank: int) -> None:
         real_fsync(fd, path, what)
 
     _async.write_checkpoint = write  # type: ignore[attr-defined,assignment]
-    _fileio.fsync = fsync  # type: ignore[assignment]
+    _fileio.fsync = fsync
+
+
+def restart(grouped: bool, rank: int, directory: str, report: dict[str, Any]) -> None:
+    """A new manager over the directory, once every rank's manager of the run has closed (rank 0
+    waits for step 3's outcome): the complete steps stay; the group's rank 0 removes the others."""
+    if not grouped:
+        open(os.path.join(directory, f".closed-{rank}"), "w").close()
+        while not os.path.exists(os.path.join(directory, f".closed-{1 - rank}")):
+            time.sleep(0.01)
+    where: dict[str, Any] = {} if grouped else {"rank": rank, "world_size": 2}
+    with ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where) as again:
+        report["restart_steps"] = again.steps()
+        if grouped:
+            dist.barrier()  # every rank's manager is made: the leftovers are gone
+        report["step3_left"] = os.path.exists(os.path.join(directory, "step-000000000003"))
 
 
 def main(how: str, rank: int, directory: str, port: int) -> None:
@@ -69,7 +85,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
         report["numpy"] = True
     except ImportError:
         report["numpy"] = False
-    where = {} if grouped else {"rank": rank, "world_size": 2}
+    where: dict[str, Any] = {} if grouped else {"rank": rank, "world_size": 2}
     ckpts = ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where)
     for step in (1, 2, 3):
         handle = ckpts.save(step, shard(rank, step))
@@ -96,15 +112,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
         (loaded["rank"], loaded["step"]) == (rank, 2)
     report["files"] = sorted(os.listdir(os.path.join(directory, "step-000000000002")))
     ckpts.close()
-    if not grouped:  # a restart: every rank's manager of the run has closed (rank 0 waits for step 3)
-        open(os.path.join(directory, f".closed-{rank}"), "w").close()
-        while not os.path.exists(os.path.join(directory, f".closed-{1 - rank}")):
-            time.sleep(0.01)
-    with ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where) as again:
-        report["restart_steps"] = again.steps()
-        if grouped:
-            dist.barrier()  # every rank's manager is made: the leftovers are gone
-        report["step3_left"] = os.path.exists(os.path.join(directory, "step-000000000003"))
+    restart(grouped, rank, directory, report)
     if grouped:
         dist.destroy_process_group()
     print(json.dumps(report))
