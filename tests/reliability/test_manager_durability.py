@@ -65,6 +65,7 @@ def check_file_published(trace: ManagerTrace, target: str) -> int:
     returns the index of the rename."""
     events, folder = trace.events, os.path.dirname(target)
     renames = trace.all(lambda e: e[0] == "rename" and e[2] == target)
+    assert renames, f"{target} is not renamed into place from a temp (written in place?)"
     assert len(renames) == 1, [events[i] for i in renames]
     temp = events[renames[0]][1]
     assert os.path.dirname(temp) == folder
@@ -88,6 +89,7 @@ def check_step_published(trace: ManagerTrace, directory: str, step: int, rank_fi
     done = os.path.join(folder, "DONE")
     made = trace.find("mkdir", folder)
     renamed = [check_file_published(trace, os.path.join(folder, name)) for name in rank_files]
+    published = check_file_published(trace, done)
     folder_syncs = trace.all(lambda e: e == ("sync", folder))
     durable = max(min(i for i in folder_syncs if i > r) for r in renamed)  # each rank file's rename
     done_temp = trace.index(lambda e: e[0] == "open" and os.path.basename(e[1]).startswith(
@@ -97,7 +99,7 @@ def check_step_published(trace: ManagerTrace, directory: str, step: int, rank_fi
     assert parent, "the step folder's entry in its parent is not fsynced before DONE is begun"
     own = [i for i in folder_syncs if max(renamed) < i < done_temp]
     assert own, "the step folder is not fsynced (after the last rank file) before DONE is begun"
-    return check_file_published(trace, done)
+    return published
 
 
 def check_step_removed(trace: ManagerTrace, directory: str, step: int, after: int = -1) -> None:
