@@ -4,12 +4,14 @@ frees), and a rank that never saves (files and a gloo group)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,11 @@ import torch
 import ckptstream
 
 sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import free_port, start_child
+from trainutil import HERE, child_env, free_port
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
+
+Spawn = Callable[..., "subprocess.Popen[str]"]
 
 
 def state(step: int) -> dict[str, Any]:
@@ -29,8 +33,28 @@ def state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(3000, generator=g), "step": step}
 
 
-def report_of(child: subprocess.Popen[str], timeout: float = 180) -> dict[str, Any]:
-    out, err = child.communicate(timeout=timeout)
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Starts ``tests/resume/<script>`` in a session of its own; at the end of the test (also
+    when it timed out) the whole session is killed: a child that hangs, and what it forked."""
+    children: list[subprocess.Popen[str]] = []
+
+    def start(script: str, *args: str) -> subprocess.Popen[str]:
+        child = subprocess.Popen([sys.executable, str(HERE / script), *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):  # ended already, with all it forked
+            os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+
+
+def report_of(child: subprocess.Popen[str]) -> dict[str, Any]:
+    """The child's JSON report (only the pytest timeout bounds the wait)."""
+    out, err = child.communicate()
     assert child.returncode == 0, f"exit status {child.returncode}:\n{out}\n{err}"
     report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     report["stderr"] = err
@@ -40,11 +64,12 @@ def report_of(child: subprocess.Popen[str], timeout: float = 180) -> dict[str, A
 # --- a forked child owns none of its parent's saves ------------------------------------------------
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["wait", "close", "exit", "linger"])
-def test_a_forked_child_leaves_its_parents_manager_alone(variant: str, tmp_path: Path) -> None:
+def test_a_forked_child_leaves_its_parents_manager_alone(variant: str, tmp_path: Path, spawn: Spawn) -> None:
     """The child waits for none of the parent's saves (it ends while the parent's save is held
     back until it has ended), and never releases nor keeps the parent's lock."""
-    report = report_of(start_child("child_fork_manager.py", str(tmp_path), variant))
+    report = report_of(spawn("child_fork_manager.py", str(tmp_path), variant))
     assert report["status"] == 0, report
     assert report["save_waited_for_child"] is True, report  # the save was in flight all along
     assert report["saved"] is True, report
@@ -59,9 +84,10 @@ def test_a_forked_child_leaves_its_parents_manager_alone(variant: str, tmp_path:
 # --- ranks agreeing through files: nobody waits for a step that is gone ---------------------------
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(("keep", "max_in_flight"), [(1, 2), (2, 3)])
-def test_a_slow_rank_sees_every_outcome_before_rank_0_deletes_it(keep: int, max_in_flight: int,
-                                                                  tmp_path: Path) -> None:
+def test_a_slow_rank_sees_every_outcome_before_rank_0_deletes_it(keep: int, max_in_flight: int, tmp_path: Path,
+                                                                  spawn: Spawn) -> None:
     """Rank 1 looks for step 1's outcome only once rank 0 has gone as far as it can (deleted
     step 1, or waits for rank 1 at a later step whose file rank 1 has written): rank 0 must be
     waiting, and every step complete on both ranks."""
@@ -69,7 +95,7 @@ def test_a_slow_rank_sees_every_outcome_before_rank_0_deletes_it(keep: int, max_
     directory.mkdir()
     signals.mkdir()
     args = (str(directory), str(signals), str(keep), str(max_in_flight))
-    children = [start_child("child_race.py", str(rank), *args) for rank in (0, 1)]
+    children = [spawn("child_race.py", str(rank), *args) for rank in (0, 1)]
     reports = [report_of(child) for child in children]
     last = max_in_flight + 1
     for rank, report in enumerate(reports):
@@ -86,8 +112,9 @@ def test_a_slow_rank_sees_every_outcome_before_rank_0_deletes_it(keep: int, max_
 # --- one writer per rank of a directory -----------------------------------------------------------
 
 
-def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_free(tmp_path: Path) -> None:
-    child = start_child("child_writer.py", str(tmp_path))
+@pytest.mark.timeout(120)
+def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_free(tmp_path: Path, spawn: Spawn) -> None:
+    child = spawn("child_writer.py", str(tmp_path))
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
@@ -123,8 +150,9 @@ def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_free(tmp_path: 
     other.close()
 
 
-def test_ranks_of_one_run_each_lock_their_own_rank(tmp_path: Path) -> None:
-    child = start_child("child_writer.py", str(tmp_path), "1", "2")
+@pytest.mark.timeout(120)
+def test_ranks_of_one_run_each_lock_their_own_rank(tmp_path: Path, spawn: Spawn) -> None:
+    child = spawn("child_writer.py", str(tmp_path), "1", "2")
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
@@ -147,27 +175,25 @@ def test_ranks_of_one_run_each_lock_their_own_rank(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_files_a_rank_that_never_saves_times_out(rank: int, tmp_path: Path) -> None:
+def test_files_a_rank_that_never_saves_times_out(rank: int, tmp_path: Path, spawn: Spawn) -> None:
     """Only the pytest timeout bounds this test: the manager's timeout of 1 s ends the wait."""
-    with ckptstream.CheckpointManager(tmp_path, rank=rank, world_size=2, timeout=1) as ckpts:
-        handle = ckpts.save(1, state(1))
-        with pytest.raises(ckptstream.CheckpointTimeoutError) as info:
-            handle.result()
-        assert isinstance(info.value, TimeoutError)
-        assert isinstance(info.value, ckptstream.IncompleteCheckpointError)
-        waited = "rank(s) [1] to save it" if rank == 0 else "rank 0's DONE marker"
-        assert f"rank {rank} waited 1 s (the manager's timeout) for {waited}" in str(info.value)
-        assert ckpts.steps() == []
+    report = report_of(spawn("child_lonely_rank.py", str(tmp_path), str(rank)))
+    assert report["result"] == "CheckpointTimeoutError", report
+    assert report["timeout"] is True, report
+    assert report["incomplete"] is True, report
+    waited = "rank(s) [1] to save it" if rank == 0 else "rank 0's DONE marker"
+    assert f"rank {rank} waited 1 s (the manager's timeout) for {waited}" in report["message"], report
+    assert report["steps"] == []
     failed = tmp_path / "step-000000000001" / "FAILED-rank-00000"
     assert failed.exists() == (rank == 0)  # rank 0 tells the ranks that did save to stop waiting
 
 
 @pytest.mark.timeout(180)
-def test_group_a_rank_that_never_saves_times_out(tmp_path: Path) -> None:
+def test_group_a_rank_that_never_saves_times_out(tmp_path: Path, spawn: Spawn) -> None:
     """Only the pytest timeout bounds this test: the manager's gloo group gives up after 1 s."""
     port = str(free_port())
-    children = [start_child("child_group_timeout.py", str(rank), str(tmp_path), port) for rank in (0, 1)]
-    report, _ = (report_of(child, timeout=150) for child in children)
+    children = [spawn("child_group_timeout.py", str(rank), str(tmp_path), port) for rank in (0, 1)]
+    report, _ = (report_of(child) for child in children)
     assert report["result"] == "CheckpointTimeoutError", report
     assert report["timeout"] is True, report
     assert report["incomplete"] is True, report

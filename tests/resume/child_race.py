@@ -72,8 +72,13 @@ def main(rank: int, directory: str, signals: Path, keep: int, max_in_flight: int
     report: dict[str, Any] = {}
     with ckptstream.CheckpointManager(directory, rank=rank, world_size=2, keep=keep, max_in_flight=max_in_flight,
                                       timeout=20) as ckpts:
-        handles = [ckpts.save(step, state(rank, step)) for step in steps]
-        for step, handle in zip(steps, handles, strict=True):
+        handles = {}
+        for step in steps:
+            try:  # an earlier save that failed unseen is raised here
+                handles[step] = ckpts.save(step, state(rank, step))
+            except Exception as e:
+                report[str(step)] = f"{type(e).__name__}: {e}"
+        for step, handle in handles.items():
             try:
                 handle.result()
                 report[str(step)] = "ok"
