@@ -98,7 +98,8 @@ def test_a_slow_rank_sees_every_outcome_before_rank_0_deletes_it(keep: int, max_
     children = [spawn("child_race.py", str(rank), *args) for rank in (0, 1)]
     reports = [report_of(child) for child in children]
     last = max_in_flight + 1
-    for rank, report in enumerate(reports):
+    for rank in (1, 0):  # rank 1 first: its step 1 is the one at stake
+        report = reports[rank]
         assert [report[str(s)] for s in range(1, last + 1)] == ["ok"] * last, (rank, report)
         assert report["steps"] == list(range(last - keep + 1, last + 1)), (rank, report)
         assert report["loaded"] is True
@@ -170,6 +171,22 @@ def test_ranks_of_one_run_each_lock_their_own_rank(tmp_path: Path, spawn: Spawn)
     ckptstream.CheckpointManager(tmp_path, rank=1, world_size=2).close()
 
 
+@pytest.mark.timeout(180)
+def test_group_ranks_refused_a_lock_all_raise(tmp_path: Path, spawn: Spawn) -> None:
+    """Another process writes as rank 1: making the managers of a gloo run raises on both ranks
+    (rank 0 does not wait in a collective for rank 1)."""
+    writer = spawn("child_writer.py", str(tmp_path), "1", "2")
+    assert writer.stdout is not None
+    assert writer.stdout.readline().strip() == "ready"
+    port = str(free_port())
+    children = [spawn("child_group_timeout.py", str(r), str(tmp_path), port, "locked") for r in (0, 1)]
+    rank0, rank1 = (report_of(child) for child in children)
+    assert rank1["result"] == "DirectoryLockedError", rank1
+    assert f"process {writer.pid} " in rank1["message"], rank1
+    assert rank0["result"] == "IncompleteCheckpointError", rank0
+    assert rank0["message"].startswith(f"the manager of {tmp_path} cannot write: rank 1: DirectoryLockedError: "), rank0
+
+
 # --- a rank that never saves ----------------------------------------------------------------------
 
 
@@ -192,7 +209,7 @@ def test_files_a_rank_that_never_saves_times_out(rank: int, tmp_path: Path, spaw
 def test_group_a_rank_that_never_saves_times_out(tmp_path: Path, spawn: Spawn) -> None:
     """Only the pytest timeout bounds this test: the manager's gloo group gives up after 1 s."""
     port = str(free_port())
-    children = [spawn("child_group_timeout.py", str(rank), str(tmp_path), port) for rank in (0, 1)]
+    children = [spawn("child_group_timeout.py", str(rank), str(tmp_path), port, "silent") for rank in (0, 1)]
     report, _ = (report_of(child) for child in children)
     assert report["result"] == "CheckpointTimeoutError", report
     assert report["timeout"] is True, report

@@ -1,10 +1,13 @@
-"""One rank of a two-process gloo run whose rank 1 never saves (tests/test_manager_processes.py).
+"""One rank of a two-process gloo run (tests/test_manager_processes.py); numpy cannot be imported.
 
-    child_group_timeout.py RANK DIR PORT
+    child_group_timeout.py RANK DIR PORT silent|locked
 
-Both ranks make a CheckpointManager with timeout=1; rank 0 saves step 1 and reports how it
-ended; rank 1 only waits (on the default group's barrier) until rank 0 has that answer. numpy
-cannot be imported. Prints a JSON report.
+silent  both ranks make a CheckpointManager with timeout=1; rank 0 saves step 1 and reports
+        how it ended; rank 1 never saves, and only waits (on the default group's barrier)
+        until rank 0 has that answer
+locked  another process holds rank 1's lock of DIR: both ranks report how making their
+        managers ended
+Prints a JSON report.
 """
 
 from __future__ import annotations
@@ -24,27 +27,35 @@ import torch.distributed as dist
 import ckptstream
 
 
-def main(rank: int, directory: str, port: int) -> None:
+def ended(report: dict[str, Any], error: Exception) -> None:
+    report.update(result=type(error).__name__, message=str(error), timeout=isinstance(error, TimeoutError),
+                  incomplete=isinstance(error, ckptstream.IncompleteCheckpointError))
+
+
+def main(rank: int, directory: str, port: int, case: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
     report: dict[str, Any] = {}
-    ckpts = ckptstream.CheckpointManager(directory, timeout=1)
-    if rank == 0:
-        handle = ckpts.save(1, {"w": torch.arange(100, dtype=torch.float32)})
+    if case == "locked":
         try:
-            handle.result()
+            ckptstream.CheckpointManager(directory, timeout=60).close()
             report["result"] = "ok"
         except Exception as e:
-            report["result"] = type(e).__name__
-            report["message"] = str(e)
-            report["timeout"] = isinstance(e, TimeoutError)
-            report["incomplete"] = isinstance(e, ckptstream.IncompleteCheckpointError)
-        report["steps"] = ckpts.steps()
-    dist.barrier()  # rank 1 stays in the group until rank 0 has its answer
-    ckpts.close()
+            ended(report, e)
+    else:
+        ckpts = ckptstream.CheckpointManager(directory, timeout=1)
+        if rank == 0:
+            try:
+                ckpts.save(1, {"w": torch.arange(100, dtype=torch.float32)}).result()
+                report["result"] = "ok"
+            except Exception as e:
+                ended(report, e)
+            report["steps"] = ckpts.steps()
+        dist.barrier()  # rank 1 stays in the group until rank 0 has its answer
+        ckpts.close()
     dist.destroy_process_group()
     print(json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])
