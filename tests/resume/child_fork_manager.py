@@ -4,12 +4,13 @@
 
 Saves step 1, then starts step 2, whose write is held until the forked child is done with the
 inherited manager, and forks. The child, by VARIANT:
-    wait    calls wait(), then leaves with sys.exit inside the manager's ``with`` block
+    wait    calls wait(), cannot save, then leaves with sys.exit inside the manager's ``with`` block
     close   calls close() twice, then the same
     exit    leaves with sys.exit inside the manager's ``with`` block at once
     linger  stays alive (as a DataLoader worker does) until the parent has closed its manager
             and saved with a new one
-None of it may wait for the parent's save, nor release the parent's lock. Prints a JSON report.
+None of it may wait for the parent's save, nor release the parent's lock, nor save (with the
+parent's manager). Prints a JSON report.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def main(directory: str, variant: str) -> None:
             os.close(go_w)
             if variant == "wait":
                 ckpts.wait()
+                try:
+                    ckpts.save(3, state(3))
+                    os._exit(3)  # it saved with its parent's manager
+                except RuntimeError as e:
+                    if f"belongs to process {os.getppid()}" not in str(e):
+                        os._exit(4)
             elif variant == "close":
                 ckpts.close()
                 ckpts.close()
