@@ -34,7 +34,8 @@ def state(version: int) -> dict[str, Any]:
 
 
 def entries(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    """The entries of a folder, but a manager directory's lock files."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".lock-rank-"))
 
 
 def test_keep_the_newest_complete_checkpoints(tmp_path: Path) -> None:
@@ -112,6 +113,71 @@ def test_steps_increase_and_delete_rolls_back(tmp_path: Path) -> None:
                             ({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 1}, "needs world_size")):
         with pytest.raises(ValueError, match=message):
             ckptstream.CheckpointManager(tmp_path, **kwargs)
+
+
+def test_a_step_that_is_complete_is_never_saved_again(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path, keep=None) as ckpts:
+        ckpts.save(9, state(9), blocking=True)
+        with pytest.raises(ValueError, match="step 9 is not after step 9"):
+            ckpts.save(9, state(0))
+    with ckptstream.CheckpointManager(tmp_path, keep=None) as again:  # from the directory alone
+        with pytest.raises(ValueError, match="step 9 is not after step 9"):
+            again.save(9, state(0))
+        with pytest.raises(ValueError, match=r"step must be an integer in \[0, 999999999999\]"):
+            again.save(10**12, state(0))  # its folder's name would not be a step's
+        again.save(10**12 - 1, state(1), blocking=True)
+        assert again.steps() == [9, 10**12 - 1]
+    assert differences(again.load(9), state(9)) == []
+
+
+def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_path: Path,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    directory, outside = tmp_path / "ckpts", tmp_path / "outside"
+    with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
+        ckpts.save(3, state(3), blocking=True)
+    good = directory / "step-000000000003"
+    # complete-looking folders under names the manager does not write, and a link to one
+    odd = ["step-1", "step-0005", "step-\u0661\u0662", "step-0000000000007", "step-00000000001x", "Step-000000000004"]
+    for name in [*odd, "outside"]:
+        folder = tmp_path / "outside" if name == "outside" else directory / name
+        folder.mkdir()
+        for entry in ("DONE", "state.safetensors"):
+            (folder / entry).write_bytes((good / entry).read_bytes())
+        (folder / "my-notes.txt").write_text(f"notes of {name}")
+    (directory / "step-000000000002").symlink_to(outside)
+    # an incomplete step of the manager's, with a file of the user's beside its leftovers
+    mixed = directory / "step-000000000001"
+    mixed.mkdir()
+    (mixed / "state.safetensors").write_bytes(b"a leftover")
+    (mixed / "FAILED-rank-00000").write_text("OSError: gone")
+    (mixed / ".state.safetensors.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")
+    (mixed / "my-notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()}
+    with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
+        assert ckpts.steps() == [3]
+        assert [c.step for c in ckptstream.check_steps(directory)] == [1, 3]
+        assert ckptstream.check_step(directory / "step-0005").step is None
+        capfd.readouterr()
+        ckpts.save(4, state(4), blocking=True)  # prunes 3 (keep=1) and the incomplete 1
+        said = capfd.readouterr().err
+        assert ckpts.steps() == [4]
+        assert entries(mixed) == ["my-notes.txt"]
+        assert f"kept the folder {mixed}: it holds files the manager did not write (my-notes.txt)" in said, said
+        ckpts.save(5, state(5), blocking=True)  # the folder of the user's file alone: left, unsaid
+        assert capfd.readouterr().err == ""
+        # delete() of a step holding a file of the user's: the checkpoint goes, the folder stays
+        (directory / "step-000000000005" / "my-notes.txt").write_text("mine too")
+        ckpts.delete(5)
+        assert f"kept the folder {directory / 'step-000000000005'}" in capfd.readouterr().err
+        assert ckpts.steps() == []
+        assert entries(directory / "step-000000000005") == ["my-notes.txt"]
+        with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+            ckpts.delete(2)  # the link
+    assert entries(directory) == sorted([*odd, "step-000000000001", "step-000000000002", "step-000000000005"])
+    for path, data in before.items():
+        if path.parent not in (mixed, good):
+            assert path.read_bytes() == data, path
+    assert os.path.islink(directory / "step-000000000002")
 
 
 def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,6 +273,8 @@ def test_sigkill_during_a_save_leaves_the_previous_step(point: str, tmp_path: Pa
 
 @pytest.mark.parametrize("how", ["group", "files"])
 def test_two_ranks_complete_a_step_only_together(how: str, tmp_path: Path) -> None:
+    """Step 3 fails on rank 1 after its file is in place (the step folder's fsync): no rank
+    counts it. With "group", numpy cannot be imported. A restart keeps the complete steps."""
     port = str(free_port())
     children = [start_child("child_ranks.py", how, str(rank), str(tmp_path), port) for rank in (0, 1)]
     reports = []
@@ -215,10 +283,14 @@ def test_two_ranks_complete_a_step_only_together(how: str, tmp_path: Path) -> No
         assert child.returncode == 0, f"rank {rank}:\n{out}\n{err}"
         reports.append(json.loads(out.strip().splitlines()[-1]))
     for rank, report in enumerate(reports):
-        assert (report["1"], report["2"]) == ("ok", "ok"), report
-        assert report["3"] == ("IncompleteCheckpointError" if rank == 0 else "OSError"), report
+        assert (report["1"], report["2"]) == ("ok", "ok"), reports
+        assert report["3"] == ("IncompleteCheckpointError" if rank == 0 else "OSError"), json.dumps(reports)
         assert (report["steps"], report["latest"], report["loaded"]) == ([1, 2], 2, True), report
         assert report["files"] == ["DONE", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+        assert report["restart_steps"] == [1, 2], report
+        assert report["numpy"] is (how == "files"), report
+        if how == "group":  # rank 0 removes the incomplete steps when the managers are made
+            assert report["step3_left"] is False, report
     assert reports[0]["incomplete_while_rank1_writes"] is True
     after = ckptstream.CheckpointManager(tmp_path, rank=1, world_size=2)
     assert after.steps() == [1, 2]

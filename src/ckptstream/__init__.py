@@ -13,7 +13,15 @@ from ._errors import (
 )
 from ._load import load, open, read_metadata, verify
 from ._load_into import load_into
-from ._manager import CheckpointManager, IncompleteCheckpointError
+from ._manager import (
+    CheckpointManager,
+    CheckpointTimeoutError,
+    DirectoryLockedError,
+    IncompleteCheckpointError,
+    StepCheck,
+    check_step,
+    check_steps,
+)
 from ._reader import CheckpointReader, TensorEntry, TensorSlice
 from ._save import save
 from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
@@ -25,14 +33,17 @@ __all__ = [
     "INHERIT",
     "CheckpointManager",
     "CheckpointNotSavedError",
+    "CheckpointTimeoutError",
     "CheckpointReader",
     "CkptStreamError",
     "CorruptCheckpointError",
     "DirectIO",
+    "DirectoryLockedError",
     "IncompleteCheckpointError",
     "SaveHandle",
     "Settings",
     "SnapshotFallbackWarning",
+    "StepCheck",
     "StateMismatchError",
     "StateMismatchWarning",
     "TensorEntry",
@@ -43,6 +54,8 @@ __all__ = [
     "current_settings",
     "device_to_file",
     "file_to_device",
+    "check_step",
+    "check_steps",
     "load",
     "load_into",
     "open",

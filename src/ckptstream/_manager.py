@@ -12,14 +12,17 @@ from typing import Any
 
 from . import _layout
 from ._async import SaveHandle, begin, check_options, say
+from ._dirlock import DirectoryLockedError
 from ._errors import StateMismatchError
+from ._layout import StepCheck, check_step, check_steps
 from ._load import load as load_file
 from ._load_into import load_into as load_into_file
-from ._ranks import FileRanks, GroupRanks, IncompleteCheckpointError, Ranks
+from ._ranks import CheckpointTimeoutError, FileRanks, GroupRanks, IncompleteCheckpointError, Ranks
 from ._reader import Device
 from ._settings import INHERIT, call_settings
 
-__all__ = ["CheckpointManager", "IncompleteCheckpointError"]
+__all__ = ["CheckpointManager", "CheckpointTimeoutError", "DirectoryLockedError", "IncompleteCheckpointError",
+           "StepCheck", "check_step", "check_steps"]
 
 
 def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: float) -> Ranks:
@@ -61,12 +64,18 @@ class CheckpointManager:
             passes its own rank. With a process group they come from it (and making the manager
             is then a collective call: every rank makes it at the same point of its program,
             before training starts).
-        timeout: seconds a rank waits for the others to finish a step.
+        timeout: seconds a rank waits for the others to finish a step (then the step fails with
+            ``CheckpointTimeoutError``).
         buffer_size, num_buffers, io_threads, direct_io: as for ``save``.
 
     A crash at any point leaves ``latest_step()`` on the previous complete step; leftovers of
     interrupted saves are ignored and removed later. Use it as a context manager, or call
-    ``close()``: both wait for the saves in flight.
+    ``close()``: both wait for the saves in flight (in a forked child: for none of them, it owns
+    none).
+
+    One manager writes as a rank of a directory at a time: the first ``save`` (with several
+    ranks: making the manager, which cleans up then) takes the rank's lock, held until
+    ``close()``; another writer gets ``DirectoryLockedError``. Reading needs no lock.
 
     Example:
         >>> with ckptstream.CheckpointManager("ckpts", keep=3) as ckpts:
@@ -98,6 +107,8 @@ class CheckpointManager:
         self._helpers: list[threading.Thread] = []
         self._last: int | None = None
         self._closed = False
+        self._pid = os.getpid()  # a forked child owns none of this manager's saves
+        self._kept: set[str] = set()  # step folders kept for others' files, said once
 
     # --- listing --------------------------------------------------------------------------
 
@@ -144,20 +155,21 @@ class CheckpointManager:
 
         Raises:
             ValueError: ``step`` is not after the newest complete checkpoint and every earlier
-                save of this manager (see ``delete`` to roll back).
+                save of this manager (see ``delete`` to roll back), or over 999999999999.
+            DirectoryLockedError: another manager writes the directory as this rank.
             as ``save_async``.
         """
-        self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        self._check_writer()
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _layout.LARGEST_STEP:
+            raise ValueError(f"step must be an integer in [0, {_layout.LARGEST_STEP}], got {step!r}")
+        self._ranks.lock()
         latest = max((s for s in (self._last, self.latest_step()) if s is not None), default=None)
         if latest is not None and step <= latest:
             raise ValueError(f"step {step} is not after step {latest}, the newest checkpoint of {self.directory}: "
                              f"steps must increase (delete({latest}) and the others after {step} to roll back)")
         if self._last is None:  # this process writes here from now on: its leftovers would mislead
             _layout.remove_own_leftovers(self.directory, self.rank, self.world_size)
-        folder = _layout.step_dir(self.directory, step)
-        os.makedirs(folder, exist_ok=True)
+        folder = _layout.make_step_dir(self.directory, step)
         path = os.path.join(folder, _layout.file_name(self.rank, self.world_size))
         previous = self._handles[-1] if self._handles else None
         then = functools.partial(self._complete, step, previous)
@@ -196,27 +208,57 @@ class CheckpointManager:
             say(f"could not remove old checkpoints in {self.directory}: {e}")
 
     def _prune(self, newest: int) -> None:
-        folders = _layout.step_dirs(self.directory)
-        complete = [s for s in sorted(folders) if _layout.read_done(folders[s]) is not None]
+        checks = {c.step: c for c in check_steps(self.directory) if c.step is not None}
+        complete = [s for s, c in checks.items() if c.complete]
         doomed = complete[: -self.keep] if self.keep is not None else []
         # older incomplete steps: nobody writes them any more, every rank has finished ``newest``
-        doomed += [s for s in folders if s < newest and s not in complete]
+        doomed += [s for s, c in checks.items() if s < newest and not c.complete]
         for s in sorted(doomed):
-            if s != newest:
-                _layout.remove_step(self.directory, folders[s])
+            check = checks[s]
+            if s == newest:
+                continue
+            kept = self._remove(check.folder) if check.own or not check.foreign else check.foreign
+            if kept and check.folder not in self._kept:  # said once per manager
+                self._say_kept(check.folder, kept)
+
+    def _remove(self, folder: str) -> tuple[str, ...]:
+        """Delete a step's files (DONE first); what is left in its folder then."""
+        return _layout.remove_step(self.directory, folder)[1]
+
+    def _say_kept(self, folder: str, kept: tuple[str, ...]) -> None:
+        self._kept.add(folder)
+        say(f"kept the folder {folder}: it holds files the manager did not write ({', '.join(kept[:5])}"
+            f"{', ...' if len(kept) > 5 else ''}); the manager's own files there are deleted, and the folder is an "
+            "incomplete step, never listed, that the manager never removes")
 
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step`` (its DONE marker first, durably: a crash midway leaves an
-        incomplete step, which is ignored). Call it on one rank, with no save in flight."""
-        self._check_open()
+        incomplete step, which is ignored). Call it on one rank, with no save in flight. Only
+        the files the manager writes are removed: a folder that also holds others' files stays
+        (said on stderr), an incomplete step from then on.
+
+        Raises:
+            FileNotFoundError: no folder of that step.
+            DirectoryLockedError: another manager writes the directory as this rank.
+        """
+        self._check_writer()
+        self._ranks.lock()
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _layout.LARGEST_STEP:
+            raise FileNotFoundError(2, f"no checkpoint of step {step!r}", self.directory)
         folder = _layout.step_dir(self.directory, step)
-        if not os.path.isdir(folder):
+        if not os.path.isdir(folder) or os.path.islink(folder):
             raise FileNotFoundError(2, "no such checkpoint", folder)
-        _layout.remove_step(self.directory, folder)
+        kept = self._remove(folder)
+        if kept:
+            self._say_kept(folder, kept)
         self._last = None  # steps after the newest complete one may be saved again
 
     def wait(self) -> None:
-        """Wait for this manager's saves in flight; raise the first error nobody collected."""
+        """Wait for this manager's saves in flight; raise the first error nobody collected. In a
+        forked child: none (the parent's saves are its own; their threads are not in the child)."""
+        if self._forked():
+            self._handles, self._helpers = [], []
+            return
         first: BaseException | None = None
         for handle in self._handles:
             reported = handle._reported
@@ -248,16 +290,28 @@ class CheckpointManager:
 
     # --- life -----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _check_writer(self) -> None:
         if self._closed:
             raise RuntimeError(f"the CheckpointManager of {self.directory} is closed")
+        if self._forked():
+            raise RuntimeError(f"this CheckpointManager of {self.directory} belongs to process {self._pid}, which "
+                               f"forked this one ({os.getpid()}): a forked process owns none of its saves and "
+                               "cannot save with it (reading is fine)")
 
     def close(self) -> None:
         """Wait for the saves in flight (raising the first error nobody collected) and release
-        what the manager holds; safe to call twice."""
+        what the manager holds (its lock, its process group); safe to call twice. In a forked
+        child it waits for nothing and leaves the parent's lock and group alone."""
         if self._closed:
             return
         self._closed = True
+        if self._forked():
+            self.wait()
+            self._ranks.forget()
+            return
         try:
             self.wait()
         finally:

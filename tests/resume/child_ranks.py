@@ -4,16 +4,23 @@
 
 Each rank saves its own shard at steps 1, 2 and 3 (keep=2). Rank 1's file of step 2 is late by
 a second: rank 0 checks that step 2 is not complete while it waits. Rank 1's save of step 3
-fails: neither rank may count step 3. With "group", the ranks share a gloo process group and
-run collectives on it while the saves complete in the background. Prints a JSON report.
+fails after its file is in place (the fsync of the step folder after the rename fails): neither
+rank may count step 3. Then each rank makes a new manager over the directory (a restart): the
+complete steps stay, step 3's folder goes. With "group", the ranks share a gloo process group
+and run collectives on it while the saves complete in the background, and numpy cannot be
+imported (the manager must not need it). Prints a JSON report.
 """
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv[1] == "group":  # before torch: a plain install has no numpy
+    sys.modules["numpy"] = None  # type: ignore[assignment]
+
 import errno
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -21,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ckptstream
-from ckptstream import _async, _save
+from ckptstream import _async, _fileio, _save
 
 
 def shard(rank: int, step: int) -> dict[str, Any]:
@@ -31,16 +38,40 @@ def shard(rank: int, step: int) -> dict[str, Any]:
 
 
 def late_and_failing(rank: int) -> None:
-    real = _save.write_checkpoint
+    if rank != 1:
+        return
+    real_write, real_fsync = _save.write_checkpoint, _fileio.fsync
+    failed: list[str] = []
 
     def write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
-        if rank == 1 and "step-000000000002" in path:
+        if "step-000000000002" in path:
             time.sleep(1.0)
-        if rank == 1 and "step-000000000003" in path:
-            raise OSError(errno.EIO, "Input/output error (injected)", path)
-        real(plan, path, *args, **kwargs)
+        real_write(plan, path, *args, **kwargs)
+
+    def fsync(fd: int, path: str, what: str = "fsync") -> None:
+        # the folder's fsync right after this rank's file of step 3 is renamed into it (once)
+        if path.endswith("step-000000000003") and "after renaming" in what and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, f"Input/output error (injected: {what})", path)
+        real_fsync(fd, path, what)
 
     _async.write_checkpoint = write  # type: ignore[attr-defined,assignment]
+    _fileio.fsync = fsync
+
+
+def restart(grouped: bool, rank: int, directory: str, report: dict[str, Any]) -> None:
+    """A new manager over the directory, once every rank's manager of the run has closed (rank 0
+    waits for step 3's outcome): the complete steps stay; the group's rank 0 removes the others."""
+    if not grouped:
+        open(os.path.join(directory, f".closed-{rank}"), "w").close()
+        while not os.path.exists(os.path.join(directory, f".closed-{1 - rank}")):
+            time.sleep(0.01)
+    where: dict[str, Any] = {} if grouped else {"rank": rank, "world_size": 2}
+    with ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where) as again:
+        report["restart_steps"] = again.steps()
+        if grouped:
+            dist.barrier()  # every rank's manager is made: the leftovers are gone
+        report["step3_left"] = os.path.exists(os.path.join(directory, "step-000000000003"))
 
 
 def main(how: str, rank: int, directory: str, port: int) -> None:
@@ -49,8 +80,13 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     late_and_failing(rank)
     report: dict[str, Any] = {}
-    ckpts = ckptstream.CheckpointManager(directory, keep=2, timeout=60, rank=None if grouped else rank,
-                                         world_size=None if grouped else 2)
+    try:
+        import numpy  # noqa: F401
+        report["numpy"] = True
+    except ImportError:
+        report["numpy"] = False
+    where: dict[str, Any] = {} if grouped else {"rank": rank, "world_size": 2}
+    ckpts = ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where)
     for step in (1, 2, 3):
         handle = ckpts.save(step, shard(rank, step))
         if grouped:  # the training's own collectives go on while the save completes
@@ -68,6 +104,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
             report[str(step)] = "ok"
         except Exception as e:
             report[str(step)] = type(e).__name__
+            report[f"why-{step}"] = str(e)
     report["steps"], report["latest"] = ckpts.steps(), ckpts.latest_step()
     loaded = ckpts.load(2)
     expected = shard(rank, 2)
@@ -75,6 +112,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
         (loaded["rank"], loaded["step"]) == (rank, 2)
     report["files"] = sorted(os.listdir(os.path.join(directory, "step-000000000002")))
     ckpts.close()
+    restart(grouped, rank, directory, report)
     if grouped:
         dist.destroy_process_group()
     print(json.dumps(report))

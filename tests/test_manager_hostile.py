@@ -1,0 +1,170 @@
+"""CheckpointManager over hostile step folders: a DONE marker that names paths out of the folder,
+is a FIFO, a link, huge, deeply nested, malformed, or disagrees with its files. Each is an
+incomplete step, with its reason (``check_step``): never listed, never an exception that stops
+saving, and pruning it removes nothing outside the folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptstream
+from ckptstream import _layout
+
+pytestmark = pytest.mark.usefixtures("no_save_left_behind")
+
+HOSTILE = 5  # the hostile step, after the good one: the newest, were it counted
+
+
+def state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(777, generator=g), "step": step}
+
+
+def record(files: dict[str, Any], world_size: int | None = None, step: int = HOSTILE, **extra: Any) -> bytes:
+    done = {"format": _layout.FORMAT, "step": step, "world_size": len(files) if world_size is None else world_size,
+            "files": files, **extra}
+    return json.dumps(done).encode()
+
+
+class Setting:
+    """A good step 1 saved by a manager, a file outside the directory, and a hostile step folder
+    holding a copy of step 1's file."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.directory = tmp_path / "ckpts"
+        self.outside = tmp_path / "outside"
+        self.outside.mkdir()
+        self.secret = self.outside / "secret"
+        self.secret.write_bytes(os.urandom(5000))
+        with ckptstream.CheckpointManager(self.directory, keep=2) as ckpts:
+            ckpts.save(1, state(1), blocking=True)
+        self.good = self.directory / "step-000000000001"
+        self.folder = self.directory / f"step-{HOSTILE:012d}"
+        self.folder.mkdir()
+        self.file = self.folder / "state.safetensors"
+        self.file.write_bytes((self.good / "state.safetensors").read_bytes())
+        self.size = self.file.stat().st_size
+        self.done = self.folder / "DONE"
+
+
+def names(s: Setting, files: dict[str, Any]) -> None:
+    s.done.write_bytes(record(files))
+
+
+# (the DONE marker and folder a case makes, the reason check_step must give)
+CASES: dict[str, tuple[Callable[[Setting], object], str]] = {
+    "parent path": (lambda s: names(s, {"../../outside/secret": 5000}), r"names '../../outside/secret': a path"),
+    "absolute path": (lambda s: names(s, {str(s.secret): 5000}), r"names '/.*/outside/secret': a path"),
+    "subfolder": (lambda s: _subfolder(s), r"names 'sub/state.safetensors': a path"),
+    "the marker itself": (lambda s: names(s, {"DONE": 10}), r"names 'DONE': not a file of a 1-rank step"),
+    "another rank's name": (lambda s: names(s, {"state.safetensors": s.size, "notes.txt": 3}),
+                            r"names 'state.safetensors': not a file of a 2-rank step"),
+    "FIFO": (lambda s: os.mkfifo(s.done), r"DONE is a FIFO \(named pipe\), not a regular file"),
+    "link to a good DONE": (lambda s: s.done.symlink_to(s.good / "DONE"), r"DONE is a symbolic link"),
+    "folder": (lambda s: s.done.mkdir(), r"DONE is a directory, not a regular file"),
+    "200 MB": (lambda s: os.truncate(_touch(s.done), 200_000_000),
+               r"DONE is 200000000 bytes, over its limit of 8192"),
+    "nested 200000 deep": (lambda s: s.done.write_text("[" * 200_000 + "]" * 200_000),
+                           r"DONE is 400000 bytes, over its limit of 8192"),
+    "nested 4000 deep": (lambda s: s.done.write_text("[" * 4000 + "]" * 4000),
+                         r"DONE is malformed: it holds 4000 brackets, a DONE marker at most 16 \(not parsed\)"),
+    "not JSON": (lambda s: s.done.write_text("{not json"), r"DONE is malformed: not JSON"),
+    "not UTF-8": (lambda s: s.done.write_bytes(b"\xff\xfe{}"), r"DONE is malformed: not JSON"),
+    "another format": (lambda s: s.done.write_text('{"format": "other", "files": {}}'),
+                       r"DONE is malformed: not a 'ckptstream-manager 1' record"),
+    "a trillion ranks": (lambda s: s.done.write_bytes(record({"state.safetensors": s.size}, world_size=10**12)),
+                         r"it records 1 file\(s\) for 1000000000000 rank\(s\)"),
+    "a size that is a bool": (lambda s: names(s, {"state.safetensors": True}), r"not a map of names to sizes"),
+    "a negative size": (lambda s: names(s, {"state.safetensors": -1}), r"not a map of names to sizes"),
+    "another step": (lambda s: s.done.write_bytes(record({"state.safetensors": s.size}, step=999)),
+                     r"DONE records step 999, the folder's name step 5"),
+    "size mismatch": (lambda s: names(s, {"state.safetensors": s.size + 1}),
+                      r"size mismatch of state.safetensors: DONE records (\d+) bytes, the file has \d+"),
+    "rank file missing": (lambda s: _rank_file(s, None), r"state.safetensors is missing"),
+    "rank file a link": (lambda s: _rank_file(s, s.secret), r"state.safetensors is not a regular file"),
+    "no DONE, a rank failed": (lambda s: (s.folder / "FAILED-rank-00000").write_text("OSError: disk on fire\n"),
+                               r"no DONE marker .*; rank 0 failed: OSError: disk on fire"),
+}
+
+
+def _subfolder(s: Setting) -> None:
+    (s.folder / "sub").mkdir()
+    (s.folder / "sub" / "state.safetensors").write_bytes(s.file.read_bytes())
+    names(s, {"sub/state.safetensors": s.size})
+
+
+def _rank_file(s: Setting, link_to: Path | None) -> None:
+    """The rank file gone, or a link to a file of the recorded size in its place."""
+    s.file.unlink()
+    if link_to is not None:
+        s.file.symlink_to(link_to)
+    names(s, {"state.safetensors": 0 if link_to is None else link_to.stat().st_size})
+
+
+def _touch(path: Path) -> Path:
+    path.touch()
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_step_is_incomplete_and_never_stops_saving(case: str, tmp_path: Path) -> None:
+    s = Setting(tmp_path)
+    make, reason = CASES[case]
+    make(s)
+    secret = s.secret.read_bytes()
+    check = ckptstream.check_step(s.folder)
+    assert (check.step, check.complete) == (HOSTILE, False)
+    assert check.problem is not None
+    assert re.search(reason, check.problem), check.problem
+    with ckptstream.CheckpointManager(s.directory, keep=1) as ckpts:
+        assert (ckpts.steps(), ckpts.latest_step()) == ([1], 1)
+        assert [c.step for c in ckptstream.check_steps(s.directory) if not c.complete] == [HOSTILE]
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+            ckpts.path(HOSTILE)
+        # saving goes on, and pruning removes the step's own files (DONE first), nothing outside
+        ckpts.save(HOSTILE + 1, state(HOSTILE + 1), blocking=True)
+        assert ckpts.steps() == [HOSTILE + 1]
+        assert torch.equal(ckpts.load()["w"], state(HOSTILE + 1)["w"])
+    assert s.secret.read_bytes() == secret
+    assert not s.folder.exists() or [c.step for c in ckptstream.check_steps(s.directory)] == [HOSTILE, HOSTILE + 1]
+    assert not s.good.exists()
+
+
+def test_a_deep_done_is_refused_unparsed_whatever_its_size() -> None:
+    """The bracket bound alone keeps json from recursing (the size bound comes first in a folder)."""
+    for data in (b"[" * 200_000 + b"]" * 200_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
+        with pytest.raises(ValueError, match="brackets"):
+            _layout.parse_done(data)
+
+
+def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> None:
+    with ckptstream.CheckpointManager(tmp_path, rank=0, world_size=1) as ckpts:
+        ckpts.save(3, state(3), blocking=True)
+    (tmp_path / "step-000000000003" / "notes.txt").write_text("mine")
+    check = ckptstream.check_step(tmp_path / "step-000000000003")
+    assert check.complete
+    assert check.problem is None
+    assert (check.step, check.world_size, check.own, check.foreign) == (3, 1, ("DONE", "state.safetensors"),
+                                                                         ("notes.txt",))
+    size = (tmp_path / "step-000000000003" / "state.safetensors").stat().st_size
+    assert dict(check.files) == {"state.safetensors": size}
+    other = tmp_path / "best"  # a copy under another name: checked, but no step of the manager's
+    other.mkdir()
+    for name in ("DONE", "state.safetensors"):
+        (other / name).write_bytes((tmp_path / "step-000000000003" / name).read_bytes())
+    assert (ckptstream.check_step(other).step, ckptstream.check_step(other).complete) == (None, True)
+    a_file = tmp_path / "step-000000000004"
+    a_file.write_text("a file")
+    assert ckptstream.check_step(a_file).problem == f"{a_file} is not a folder"
+    missing = ckptstream.check_step(tmp_path / "missing").problem
+    assert missing is not None
+    assert missing.startswith(f"{tmp_path / 'missing'} cannot be read")
+    assert [c.step for c in ckptstream.check_steps(tmp_path)] == [3]
