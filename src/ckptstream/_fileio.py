@@ -2,6 +2,6 @@
 ported onto the storage seam (the manager's directory, DCP's metadata and rank files), and goes
 with them."""
 
-from ._storage.fileio import pwrite_all
+from ._storage.fileio import _KINDS, fsync, open_path, pwrite_all
 
-__all__ = ["pwrite_all"]
+__all__ = ["_KINDS", "fsync", "open_path", "pwrite_all"]

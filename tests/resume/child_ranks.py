@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 import ckptstream
-from ckptstream import _async, _fileio, _save
+from ckptstream import _async, _save
+from ckptstream._storage import fileio as _fileio
 
 
 def shard(rank: int, step: int) -> dict[str, Any]:
