@@ -62,6 +62,15 @@ def temp_path_for(path: str) -> str:
     return os.path.join(directory, prefix + tail)
 
 
+def temp_target(entry: str) -> str | None:
+    """The name a temp beside it was written for, where the folder entry ``entry`` is one (a name
+    shortened in its temps' names comes back shortened); else None."""
+    if not entry.startswith(".") or TEMP_MARK not in entry:
+        return None
+    name, _, tail = entry[1:].partition(TEMP_MARK)
+    return name if name and _ANY_TAIL.fullmatch(tail) else None
+
+
 def remove_stale_temps(path: str, stale_only: bool = True) -> list[str]:
     """Delete the temps of ``path`` whose writers are certainly gone: written on this host, in
     this PID namespace, by a process that no longer exists; or untouched for STALE_AFTER_S
