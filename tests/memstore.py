@@ -48,7 +48,7 @@ class Faults:
     fail_read: int | None = None  # this read_into raises ``error``
     error: Callable[[str], BaseException] = eio
     reads_end_at: int | None = None  # reads see every object end here (sizes do not)
-    fail_publish: bool = False  # publish raises ``error``, nothing becomes visible
+    fail_publish: bool | str = False  # publish raises ``error``, nothing becomes visible (a str: of names ending so)
     crash: tuple[Step, int] | None = None  # ("write", 3): the process dies in the third write
 
 
@@ -86,8 +86,9 @@ class MemStorage(Storage):
         if f.crash == (op, n):
             self.dead = True
             raise Crash(f"crashed in {op} {n} of {name}")
+        publish_fails = f.fail_publish is True or (isinstance(f.fail_publish, str) and name.endswith(f.fail_publish))
         if (op == "write" and f.fail_write == n) or (op == "read" and f.fail_read == n) or (
-                op == "publish" and f.fail_publish):
+                op == "publish" and publish_fails):
             raise f.error(name)
 
     def restart(self) -> None:
@@ -164,6 +165,9 @@ class MemStorage(Storage):
         if any(n.startswith(prefix) for n in [*self.objects, *self.folders]):
             raise OSError(errno.ENOTEMPTY, "the folder holds entries", folder)
         self.folders.discard(folder.rstrip("/"))
+        with self.mutex:  # incomplete uploads under it go with it
+            for sink in [s for s in self.pending.values() if s.name.startswith(prefix)]:
+                del self.pending[sink.id]
 
     def make_folders(self, folder: str) -> None:
         self.folders.add(folder.rstrip("/"))

@@ -216,8 +216,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def remove_folder(self, folder: str) -> None:
-        """Remove the empty folder ``folder``; nothing happens where there is none. Raises
-        OSError with errno ENOTEMPTY where it holds entries (they stay)."""
+        """Remove the empty folder ``folder``, and what unfinished writes under it left that is
+        no entry (an object store's incomplete uploads); nothing happens where there is none.
+        Raises OSError with errno ENOTEMPTY where it holds entries (they stay)."""
 
     @abc.abstractmethod
     def make_folders(self, folder: str) -> None:
