@@ -168,3 +168,30 @@ def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> No
     assert missing is not None
     assert missing.startswith(f"{tmp_path / 'missing'} cannot be read")
     assert [c.step for c in ckptstream.check_steps(tmp_path)] == [3]
+
+
+@pytest.mark.parametrize("marker", ["DONE", "READY-rank-00001"])
+def test_a_link_planted_as_a_marker_is_replaced_never_followed(marker: str, tmp_path: Path) -> None:
+    """A link named as a marker, to a file outside, appears in a step folder once the managers
+    have cleaned up: saving that step publishes the marker in the folder, and the file outside
+    keeps its bytes."""
+    s = Setting(tmp_path)
+    s.file.unlink()
+    secret = s.secret.read_bytes()
+    # two ranks in one process: the saves in flight are counted process-wide, hence max_in_flight=2
+    ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2,
+                                          **({} if marker == "DONE" else {"rank": r, "world_size": 2}))
+             for r in ((0,) if marker == "DONE" else (0, 1))]
+    try:
+        if marker == "DONE":
+            ranks[0].delete(1)  # takes the lock and cleans up, as a first save does
+        link = s.folder / marker
+        link.symlink_to(s.secret)
+        for handle in [m.save(HOSTILE, state(HOSTILE)) for m in ranks]:
+            handle.result()
+        assert [m.latest_step() for m in ranks] == [HOSTILE] * len(ranks)
+    finally:
+        for m in ranks:
+            m.close()
+    assert s.secret.read_bytes() == secret
+    assert not link.is_symlink()
