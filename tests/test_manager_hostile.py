@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,26 +173,48 @@ def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("marker", ["DONE", "READY-rank-00001"])
 def test_a_link_planted_as_a_marker_is_replaced_never_followed(marker: str, tmp_path: Path) -> None:
-    """A link named as a marker, to a file outside, appears in a step folder once the managers
-    have cleaned up: saving that step publishes the marker in the folder, and the file outside
-    keeps its bytes."""
+    """A link named as a marker, to a file outside, lies in the folder of the next step once the
+    managers have cleaned up (their first save): saving that step publishes the marker in the
+    folder, and the file outside keeps its bytes."""
     s = Setting(tmp_path)
-    s.file.unlink()
     secret = s.secret.read_bytes()
     # two ranks in one process: the saves in flight are counted process-wide, hence max_in_flight=2
     ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2,
                                           **({} if marker == "DONE" else {"rank": r, "world_size": 2}))
              for r in ((0,) if marker == "DONE" else (0, 1))]
     try:
-        if marker == "DONE":
-            ranks[0].delete(1)  # takes the lock and cleans up, as a first save does
-        link = s.folder / marker
-        link.symlink_to(s.secret)
         for handle in [m.save(HOSTILE, state(HOSTILE)) for m in ranks]:
             handle.result()
-        assert [m.latest_step() for m in ranks] == [HOSTILE] * len(ranks)
+        folder = s.directory / f"step-{HOSTILE + 1:012d}"
+        folder.mkdir()
+        link = folder / marker
+        link.symlink_to(s.secret)
+        handles = [ranks[-1].save(HOSTILE + 1, state(HOSTILE + 1))]
+        if marker != "DONE":  # rank 0 starts once rank 1 has published its READY (over the link, or through it)
+            while link.is_symlink() and s.secret.read_bytes() == secret:
+                time.sleep(0.005)
+            handles.append(ranks[0].save(HOSTILE + 1, state(HOSTILE + 1)))
+        for handle in handles:
+            handle.result()
+        assert [m.latest_step() for m in ranks] == [HOSTILE + 1] * len(ranks)
     finally:
         for m in ranks:
             m.close()
     assert s.secret.read_bytes() == secret
     assert not link.is_symlink()
+
+
+@pytest.mark.parametrize("what", ["file", "link to a folder"])
+def test_what_lies_in_the_way_of_a_step_folder_is_refused(what: str, tmp_path: Path) -> None:
+    s = Setting(tmp_path)
+    in_the_way = s.directory / "step-000000000007"
+    if what == "file":
+        in_the_way.write_text("mine")
+    else:
+        in_the_way.symlink_to(s.outside)
+    with ckptstream.CheckpointManager(s.directory, keep=None) as ckpts:
+        with pytest.raises(FileExistsError, match="is in the way of the step's folder"):
+            ckpts.save(7, state(7))
+        assert ckpts.steps() == [1]
+    assert sorted(os.listdir(s.outside)) == ["secret"]
+    assert in_the_way.is_symlink() or in_the_way.read_text() == "mine"
