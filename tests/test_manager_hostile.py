@@ -179,9 +179,9 @@ def test_a_link_planted_as_a_marker_is_replaced_never_followed(marker: str, tmp_
     s = Setting(tmp_path)
     secret = s.secret.read_bytes()
     # two ranks in one process: the saves in flight are counted process-wide, hence max_in_flight=2
-    ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2,
-                                          **({} if marker == "DONE" else {"rank": r, "world_size": 2}))
-             for r in ((0,) if marker == "DONE" else (0, 1))]
+    world = 1 if marker == "DONE" else 2
+    ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2, rank=r, world_size=world)
+             for r in range(world)]
     try:
         for handle in [m.save(HOSTILE, state(HOSTILE)) for m in ranks]:
             handle.result()
