@@ -10,8 +10,8 @@ the reader). Not walked: the storage wing, and the benchmark (``bench/``), which
 disk's raw ceilings and the peers' libraries with calls of their own and uses only the public
 API of the package.
 
-Modules not yet ported (``NOT_YET_PORTED``) are listed, each with its reason; the list must
-shrink to nothing as they move onto the seam, and an entry whose module no longer needs it fails.
+Every module is on the seam: ``NOT_YET_PORTED`` is empty. A module that must touch files for a
+while would be listed there with its reason, and an entry whose module no longer does fails.
 """
 
 from __future__ import annotations
