@@ -166,6 +166,12 @@ class MemStorage(Storage):
                 del self.pending[sink.id]
         return [f"{s.name}#{s.id}" for s in gone]
 
+    def unfinished(self, folder: str) -> list[str]:
+        prefix = folder.rstrip("/") + "/"
+        with self.lock:
+            names = {s.name[len(prefix) :] for s in self.pending.values() if s.name.startswith(prefix)}
+        return sorted(n for n in names if "/" not in n)
+
     def read_small(self, path: str, limit: int) -> bytes:
         with self.open(path) as source:
             if source.size() > limit:

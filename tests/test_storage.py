@@ -215,12 +215,14 @@ def test_leftovers_of_dead_writers_are_removed(storage: tuple[Storage, str], mem
         with pytest.raises(Crash):
             crashed.write_at(memoryview(b"x"), 0)
         mem.restart()  # a new process: the crashed writer's upload is left pending
+    assert s.unfinished(root) == ["ckpt.bin"]  # named though no file of the name exists
     assert len(s.remove_temps(path)) == 1  # the dead one only
     with s.create(path) as sink:
         sink.write_at(memoryview(b"next"), 0)
     assert s.remove_temps(path) == []
     assert len(s.remove_temps(path, stale_only=False)) == 1  # the live one too, when asked
     live.abandon()
+    assert s.unfinished(root) == []
     assert s.read_small(path, 100) == b"next"
 
 

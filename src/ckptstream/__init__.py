@@ -1,6 +1,6 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
-from ._async import CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
+from ._async import AsyncMode, CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
 from ._engine import release_staging, staging_bytes
 from ._errors import (
     CkptStreamError,
@@ -30,6 +30,7 @@ from ._transfer import device_to_file, file_to_device
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncMode",
     "INHERIT",
     "CheckpointManager",
     "CheckpointNotSavedError",

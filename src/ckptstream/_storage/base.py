@@ -206,6 +206,12 @@ class Storage(abc.ABC):
         writers are certainly gone. Returns what was removed; never raises."""
 
     @abc.abstractmethod
+    def unfinished(self, folder: str) -> list[str]:
+        """The names of the targets in ``folder`` that unfinished writes left something of
+        (what ``remove_temps`` of that name would look at), whether or not a file of the name
+        exists; names too long to be told from their leftovers may be missing. Never raises."""
+
+    @abc.abstractmethod
     def read_small(self, path: str, limit: int) -> bytes:
         """All of the small file ``path`` (a marker, a metadata file): FileNotFoundError where
         there is none, OSError (without blocking) where it is not a file or holds more than

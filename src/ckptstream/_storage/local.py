@@ -64,6 +64,9 @@ class LocalStorage(Storage):
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         return publish.remove_stale_temps(path, stale_only)
 
+    def unfinished(self, folder: str) -> list[str]:
+        return publish.temps_targets(folder)
+
     def read_small(self, path: str, limit: int) -> bytes:
         fd = fileio.open_path(path, os.O_RDONLY, "opening for reading")
         try:

@@ -62,6 +62,16 @@ def temp_path_for(path: str) -> str:
     return os.path.join(directory, prefix + tail)
 
 
+def temps_targets(directory: str) -> list[str]:
+    """The names whose temps lie in ``directory`` (not those shortened to fit NAME_MAX)."""
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return []
+    names = {e[1 : e.index(TEMP_MARK)] for e in entries if e.startswith(".") and TEMP_MARK in e}
+    return sorted(n for n in names if n and "~" not in n)
+
+
 def remove_stale_temps(path: str, stale_only: bool = True) -> list[str]:
     """Delete the temps of ``path`` whose writers are certainly gone: written on this host, in
     this PID namespace, by a process that no longer exists; or untouched for STALE_AFTER_S
