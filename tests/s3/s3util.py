@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3server import S3Server, require_rclone, shared_server
 
 from ckptstream._storage import s3client
-from s3server import S3Server, require_rclone, shared_server
 
 # the AWS configuration a test must not inherit from the machine it runs on
 _FOREIGN = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
@@ -53,7 +53,11 @@ class Bucket:
 
     def uploads(self, key: str = "") -> list[str]:
         """The ids of the incomplete multipart uploads under ``key``."""
-        return [u["UploadId"] for u in self.raw.list_multipart_uploads(Bucket=self.name, Prefix=key).get("Uploads", ())]
+        try:
+            page = self.raw.list_multipart_uploads(Bucket=self.name, Prefix=key)
+        except self.raw.exceptions.NoSuchUpload:  # rclone's answer for a bucket that never had one
+            return []
+        return [u["UploadId"] for u in page.get("Uploads", ())]
 
 
 def use_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str]) -> None:
@@ -86,3 +90,45 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     raw.create_bucket(Bucket=name)
     yield Bucket(s3_server, name, raw)
     s3client.reset_client()
+
+
+MiB = 1 << 20
+
+
+def chunks_of(total: int, header: int, grid: int) -> list[tuple[int, int]]:
+    """The byte ranges the write engine writes after a header: back to back from the header's end,
+    each ending on the grid (at most one grid cell each)."""
+    out, pos = [], header
+    while pos < total:
+        stop = min(total, (pos // grid + 1) * grid)
+        out.append((pos, stop))
+        pos = stop
+    return out
+
+
+def write_like_the_engine(sink: Any, data: bytes, header: int, buffer_size: int, *, threads: int = 4,
+                          skip: int | None = None) -> None:
+    """Write ``data`` into ``sink`` as a checkpoint writer does: the header (placeholders) at 0,
+    the grid's chunks from several threads in a scrambled order, then the header again (its
+    final bytes). ``skip``: leave out that chunk (a writer's bug)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptstream._settings import DirectIO
+
+    view = memoryview(data)
+    sink.write_at(memoryview(bytes(header)), 0)
+    grid = sink.grid(buffer_size, DirectIO.AUTO)
+    chunks = chunks_of(len(data), header, grid)
+    if skip is not None:
+        del chunks[skip]
+    random.Random(len(data)).shuffle(chunks)
+    with ThreadPoolExecutor(threads) as pool:  # the first failure stops the chunks not yet begun
+        futures = [pool.submit(sink.write_at, view[lo:hi], lo) for lo, hi in chunks]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    sink.write_at(view[:header], 0)

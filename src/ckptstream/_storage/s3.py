@@ -51,26 +51,28 @@ class S3Source(Source):
         return self.readv_into([view], offset)
 
     def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
-        """One ranged GET for all of ``views``' bytes, streamed into them in turn."""
+        """One ranged GET for all of ``views``' bytes (those the object has), streamed into them
+        in turn."""
         want = min(sum(len(v) for v in views), max(0, self._size - offset))
         if want <= 0:
             return 0
-        done = 0
+        targets, left = [], want
         for view in views:
-            n = min(len(view), want - done)
-            if n <= 0:
+            if left <= 0:
                 break
-            self._get(view[:n], offset + done)
-            done += n
-        return done
+            if len(view):
+                targets.append(view[:left])
+                left -= len(targets[-1])
+        self._get(targets, offset, want)
+        return want
 
-    def _get(self, view: memoryview, offset: int) -> None:
-        """Fill ``view`` from ``offset`` with ranged GETs; a connection that breaks while the body
-        streams is asked again for the rest (botocore retries only the request itself), a
-        bounded number of times."""
-        got, failures = 0, 0
-        while got < len(view):
-            lo, hi = offset + got, offset + len(view)
+    def _get(self, views: list[memoryview], offset: int, want: int) -> None:
+        """Fill ``views`` (``want`` bytes in all) from ``offset``; a connection that breaks while
+        the body streams is asked again for the rest (botocore retries only the request itself),
+        a bounded number of times."""
+        got, failures, at, into = 0, 0, 0, 0  # bytes done; the view being filled, and how far
+        while got < want:
+            lo, hi = offset + got, offset + want
             what = f"reading bytes {lo}..{hi}"
             kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key, "Range": f"bytes={lo}-{hi - 1}"}
             if self._etag is not None:
@@ -81,11 +83,13 @@ class S3Source(Source):
                     raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
                                            f"bytes, not {hi - lo}; it does not serve byte ranges")
                 with contextlib.closing(response["Body"]) as body:
-                    while got < len(view) and (n := body.readinto(view[got:])):
-                        got += n
-                if got == len(view):
+                    while got < want and (n := body.readinto(views[at][into:])):
+                        got, into = got + n, into + n
+                        if into == len(views[at]):
+                            at, into = at + 1, 0
+                if got == want:
                     return
-                cause: Exception = ConnectionError(f"the body ended after {got - (lo - offset)} of {hi - lo} bytes")
+                cause: Exception = ConnectionError(f"the body ended {hi - lo - (offset + got - lo)} bytes early")
             except ObjectStoreError:
                 raise
             except Exception as e:
@@ -201,7 +205,7 @@ class S3Storage(Storage):
             client = s3client.client()
             endpoint = str(client.meta.endpoint_url)
             live = MultipartSink.live_uploads()
-            dead = s3journal.dead_writers(endpoint, url.bucket, url.key, live)
+            dead = s3journal.dead_writers(url.bucket, url.key, live)
             now = datetime.datetime.now(datetime.timezone.utc)
             removed = []
             for upload in self._uploads(url, exact=True):
@@ -282,7 +286,10 @@ class S3Storage(Storage):
             try:
                 page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, **markers)
             except Exception as e:
-                raise s3client.error(e, url, "listing incomplete uploads") from e
+                typed = s3client.error(e, url, "listing incomplete uploads")
+                if getattr(typed, "code", None) == "NoSuchUpload":
+                    return  # some servers answer so for a bucket that never had an upload
+                raise typed from e
             yield from (u for u in page.get("Uploads", ()) if not exact or u["Key"] == url.key)
             if not page.get("IsTruncated"):
                 return

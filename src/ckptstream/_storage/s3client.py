@@ -126,7 +126,7 @@ def _make_client() -> Any:
         retries["max_attempts"] = DEFAULT_ATTEMPTS
     config = Config(
         max_pool_connections=POOL_CONNECTIONS,
-        retries=retries,  # type: ignore[arg-type]
+        retries=retries,
         # a checksum is sent where ckptstream gives one (CRC-32C per part), not computed again;
         # and responses are not checked against whole-object checksums, which some servers
         # return with a ranged GET (its bytes are checked against the header's CRC-32C instead)

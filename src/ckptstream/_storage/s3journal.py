@@ -67,15 +67,15 @@ def _entries() -> Iterator[dict[str, object]]:
                 yield entry
 
 
-def dead_writers(endpoint: str, bucket: str, key: str, live: set[str]) -> set[str]:
+def dead_writers(bucket: str, key: str, live: set[str]) -> set[str]:
     """The ids of the uploads of ``key`` whose writers were on this host, in this PID namespace,
     and are certainly gone (uploads in ``live``, this process's own in flight, excepted; this
     process's others were abandoned)."""
     host, ns, me = socket.gethostname(), pid_namespace(), os.getpid()
     dead = set()
     for e in _entries():
-        if (e.get("endpoint"), e.get("bucket"), e.get("key")) != (endpoint, bucket, key):
-            continue
+        if (e.get("bucket"), e.get("key")) != (bucket, key):
+            continue  # (any endpoint's: an id names an upload only in the store that lists it)
         upload, pid = e.get("upload_id"), e.get("pid")
         if not isinstance(upload, str) or not isinstance(pid, int) or e.get("host") != host or e.get("ns") != ns:
             continue

@@ -30,6 +30,9 @@ MAX_PART = 5 << 30
 MAX_PARTS = 10_000
 DEFAULT_PART = 16 * MiB  # until the engine's grid sets it (a small object written without one)
 
+_live: set[str] = set()  # this process's uploads in flight: never taken for a dead writer's
+_live_lock = threading.Lock()
+
 
 def crc32c_b64(data: memoryview | bytes) -> str:
     """A CRC-32C as S3's x-amz-checksum-crc32c header spells it."""
@@ -83,9 +86,6 @@ class MultipartSink(Sink):
     """Writes to ``url`` as one multipart upload (see the module's docstring); an object that
     ends inside the head is written with one PUT instead."""
 
-    _live: set[str] = set()  # this process's uploads in flight (a journal of dead writers skips them)
-    _live_lock = threading.Lock()
-
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
         self._client = s3client.client()
@@ -97,6 +97,7 @@ class MultipartSink(Sink):
         self._header_end = 0  # the end of the longest write at offset 0 (the header)
         self._lock = threading.Lock()
         self._upload_id: str | None = None
+        self._start_failed: Exception | None = None
         self._parts: dict[int, tuple[int, int, str, str]] = {}  # part -> (offset, length, etag, crc)
         self._end = 0  # the end of the furthest write
         self._closed = False
@@ -176,15 +177,18 @@ class MultipartSink(Sink):
     def _ensure_upload(self) -> str:
         with self._lock:
             self._check_open()
+            if self._start_failed is not None:
+                raise self._start_failed  # once per sink: the store has answered, after its retries
             if self._upload_id is None:
                 try:
                     upload_id: str = self._client.create_multipart_upload(
                         Bucket=self.url.bucket, Key=self.url.key, ChecksumAlgorithm="CRC32C")["UploadId"]
                 except Exception as e:
-                    raise s3client.error(e, self.url, "starting a multipart upload") from e
+                    self._start_failed = s3client.error(e, self.url, "starting a multipart upload")
+                    raise self._start_failed from e
                 self._upload_id = upload_id
-                with self._live_lock:
-                    self._live.add(upload_id)
+                with _live_lock:
+                    _live.add(upload_id)
                 s3journal.record(self._endpoint, self.url.bucket, self.url.key, upload_id)
             return self._upload_id
 
@@ -239,7 +243,7 @@ class MultipartSink(Sink):
         numbers = sorted(self._parts)
         for i, n in enumerate(numbers):
             offset, length, _, _ = self._parts[n]
-            expected, boundary = self._part_at(offset)
+            _expected, boundary = self._part_at(offset)
             if n != i + 2 or offset != at or (n != numbers[-1] and offset + length != boundary):
                 raise ObjectStoreError(self.name, f"part {n} holds bytes {offset}..{offset + length}; expected "
                                        f"part {i + 2} from byte {at}: the writes left a hole")
@@ -260,20 +264,20 @@ class MultipartSink(Sink):
         except Exception:
             # unreachable store: the upload stays until a later writer of the key (or the store's
             # own expiry) aborts it; the journal tells it is abandoned
-            with self._live_lock:
-                self._live.discard(upload_id)
+            with _live_lock:
+                _live.discard(upload_id)
             return
         self._forget(upload_id)
 
     def _forget(self, upload_id: str) -> None:
-        with self._live_lock:
-            self._live.discard(upload_id)
+        with _live_lock:
+            _live.discard(upload_id)
         s3journal.forget(self._endpoint, self.url.bucket, self.url.key, upload_id)
 
     def close(self) -> None:
         self.abandon()
 
-    @classmethod
-    def live_uploads(cls) -> set[str]:
-        with cls._live_lock:
-            return set(cls._live)
+    @staticmethod
+    def live_uploads() -> set[str]:
+        with _live_lock:
+            return set(_live)

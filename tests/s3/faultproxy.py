@@ -1,0 +1,80 @@
+"""A TCP proxy on 127.0.0.1 in front of the test server that can lose the connection for real:
+once ``cut_after`` bytes have gone towards the server it resets every connection and stops
+listening, so requests in flight break and new ones are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+
+class FaultProxy:
+    def __init__(self, target: tuple[str, int], cut_after: int | None = None) -> None:
+        self.target, self.cut_after = target, cut_after
+        self.sent = 0  # bytes forwarded towards the server
+        self.cut = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.cut.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self._lock:
+                if self.cut.is_set():
+                    client.close()
+                    upstream.close()
+                    return
+                self._socks += [client, upstream]
+            for src, dst, counted in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pump, args=(src, dst, counted), daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if counted:
+                    with self._lock:
+                        self.sent += len(data)
+                        trip = self.cut_after is not None and self.sent >= self.cut_after
+                    if trip:
+                        self.lose_connection()
+                        return
+                dst.sendall(data)
+
+    def lose_connection(self) -> None:
+        """Reset every connection (RST, as a dropped link shows) and refuse new ones."""
+        with self._lock:
+            self.cut.set()
+            socks, self._socks = self._socks, []
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RD)  # wakes this proxy's own reader of it
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+
+    def close(self) -> None:
+        self.lose_connection()
+        for t in self._threads:
+            t.join(5)
