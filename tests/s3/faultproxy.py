@@ -1,6 +1,7 @@
 """A TCP proxy on 127.0.0.1 in front of the test server that can lose the connection for real:
-once ``cut_after`` bytes have gone towards the server it resets every connection and stops
-listening, so requests in flight break and new ones are refused."""
+once ``cut_after`` bytes have gone towards the server (or ``cut_after_down`` towards the client)
+it resets every connection, so requests in flight break; with ``refuse`` it also stops
+listening, so new ones are refused (a lost link), else it goes on serving (a dropped socket)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import threading
 
 
 class FaultProxy:
-    def __init__(self, target: tuple[str, int], cut_after: int | None = None) -> None:
-        self.target, self.cut_after = target, cut_after
-        self.sent = 0  # bytes forwarded towards the server
+    def __init__(self, target: tuple[str, int], cut_after: int | None = None, cut_after_down: int | None = None,
+                 refuse: bool = True) -> None:
+        self.target, self.refuse = target, refuse
+        self.limits = {True: cut_after, False: cut_after_down}
+        self.moved = {True: 0, False: 0}  # bytes forwarded towards the server (True) and the client
         self.cut = threading.Event()
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
@@ -27,14 +30,14 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def _accept(self) -> None:
-        while not self.cut.is_set():
+        while not (self.cut.is_set() and self.refuse):
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
             with self._lock:
-                if self.cut.is_set():
+                if self.cut.is_set() and self.refuse:
                     client.close()
                     upstream.close()
                     return
@@ -44,20 +47,20 @@ class FaultProxy:
                 self._threads.append(t)
                 t.start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
         with contextlib.suppress(OSError):
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     dst.shutdown(socket.SHUT_WR)
                     return
-                if counted:
-                    with self._lock:
-                        self.sent += len(data)
-                        trip = self.cut_after is not None and self.sent >= self.cut_after
-                    if trip:
-                        self.lose_connection()
-                        return
+                with self._lock:
+                    self.moved[upward] += len(data)
+                    limit = self.limits[upward]
+                    trip = limit is not None and self.moved[upward] >= limit and not self.cut.is_set()
+                if trip:
+                    self.lose_connection()
+                    return
                 dst.sendall(data)
 
     def lose_connection(self) -> None:
@@ -65,8 +68,9 @@ class FaultProxy:
         with self._lock:
             self.cut.set()
             socks, self._socks = self._socks, []
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        if self.refuse:
+            with contextlib.suppress(OSError):
+                self._listener.close()
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RD)  # wakes this proxy's own reader of it
@@ -75,6 +79,9 @@ class FaultProxy:
                 s.close()
 
     def close(self) -> None:
+        self.refuse = True
         self.lose_connection()
+        with contextlib.suppress(OSError):
+            self._listener.close()
         for t in self._threads:
             t.join(5)

@@ -146,6 +146,23 @@ def test_connection_lost_mid_upload(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
     assert s3.get("a/ckpt") == data
 
 
+def test_a_read_whose_connection_breaks_asks_again_for_the_rest(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    data = os.urandom(12 * MiB)
+    s3.put("r", data)
+    host, port = s3.server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port)), cut_after_down=5 * MiB, refuse=False)
+    try:
+        use_server(monkeypatch, tmp_path, {**s3.server.env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        out = bytearray(len(data))
+        with STORE.open(s3.url("r")) as source:
+            assert source.read_into(memoryview(out), 0) == len(data)
+        assert proxy.cut.is_set()  # the body broke midway and the rest came in a second GET
+    finally:
+        proxy.close()
+    assert out == data
+
+
 def test_killed_writer_leaves_nothing_and_the_next_save_aborts_its_upload(s3: Bucket) -> None:
     old = os.urandom(1000)
     s3.put("a/ckpt", old)
