@@ -5,9 +5,10 @@ ranged GETs into one preallocated buffer. One client and one operation per proce
     AWS_ENDPOINT_URL=http://127.0.0.1:PORT AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... AWS_REGION=us-east-1 \
         python docs/results/s3_clients.py CLIENT up|down --bucket B [--size-mib 256 --part-mib 16 --inflight 8]
 
-CLIENT: boto3, boto3-crt, obstore, minio, s3fs. Prints one JSON line: the seconds of the
-transfer itself (client made, bucket reachable, data in memory before the clock starts) and
-its GB/s. ``down`` reads the object that ``up`` of the same client wrote.
+CLIENT: boto3, boto3-crt, obstore, minio, s3fs. ``--copy`` (boto3 up) first copies each part into a
+bounded pool of INFLIGHT buffers, as a sink that releases the staging buffers at once would.
+Prints one JSON line: the seconds of the transfer itself (client made, bucket reachable, data in
+memory before the clock starts) and its GB/s. ``down`` reads the object that ``up`` of the same client wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import queue
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +61,8 @@ def boto3_client(inflight: int) -> Any:
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(max_pool_connections=inflight * 2, response_checksum_validation="when_required",
+    return boto3.client("s3", config=Config(max_pool_connections=inflight * 2,
+                                            response_checksum_validation="when_required",
                                             request_checksum_calculation="when_required"))
 
 
@@ -69,10 +72,23 @@ def boto3_up(data: memoryview, a: argparse.Namespace, key: str) -> None:
     uid = s3.create_multipart_upload(Bucket=a.bucket, Key=key)["UploadId"]
     t0 = time.perf_counter()
 
+    spare: queue.SimpleQueue[bytearray] = queue.SimpleQueue()  # --copy: a bounded pool of part buffers
+    for _ in range(a.inflight if a.copy else 0):
+        spare.put(bytearray(part))
+
     def one(i: int) -> dict[str, Any]:
-        body = ViewReader(data[i * part : (i + 1) * part])
-        return {"PartNumber": i + 1, "ETag": s3.upload_part(Bucket=a.bucket, Key=key, UploadId=uid, PartNumber=i + 1,
-                                                             Body=body)["ETag"]}
+        view = data[i * part : (i + 1) * part]
+        if not a.copy:
+            return {"PartNumber": i + 1, "ETag": s3.upload_part(Bucket=a.bucket, Key=key, UploadId=uid,
+                                                                 PartNumber=i + 1, Body=ViewReader(view))["ETag"]}
+        buf = spare.get()
+        try:
+            buf[: len(view)] = view
+            body = ViewReader(memoryview(buf)[: len(view)])
+            return {"PartNumber": i + 1, "ETag": s3.upload_part(Bucket=a.bucket, Key=key, UploadId=uid,
+                                                                 PartNumber=i + 1, Body=body)["ETag"]}
+        finally:
+            spare.put(buf)
 
     with ThreadPoolExecutor(a.inflight) as pool:
         parts = list(pool.map(one, range(-(-len(data) // part))))
@@ -89,9 +105,12 @@ def boto3_down(out: memoryview, a: argparse.Namespace, key: str) -> float:
     def one(i: int) -> None:
         lo, hi = i * part, min(len(out), (i + 1) * part)
         body = s3.get_object(Bucket=a.bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
+        # --copy: through botocore's readinto (urllib3 reads a bytes object, then copies it into
+        # the view); else http.client's own readinto, straight into the view
+        stream = body if a.copy else body._raw_stream._fp
         view, got = out[lo:hi], 0
         while got < hi - lo:
-            n = body._raw_stream.readinto(view[got:])
+            n = stream.readinto(view[got:])
             if not n:
                 raise EOFError(key)
             got += n
@@ -105,8 +124,12 @@ def crt_manager(a: argparse.Namespace) -> Any:
     """s3transfer's CRT transfer manager, made by hand: boto3's own factory always speaks TLS,
     and the server under test is plain HTTP."""
     import botocore.session
-    from s3transfer.crt import (BotocoreCRTCredentialsWrapper, BotocoreCRTRequestSerializer, CRTTransferManager,
-                                create_s3_crt_client)
+    from s3transfer.crt import (
+        BotocoreCRTCredentialsWrapper,
+        BotocoreCRTRequestSerializer,
+        CRTTransferManager,
+        create_s3_crt_client,
+    )
 
     session = botocore.session.Session()
     session.set_config_variable("region", os.environ.get("AWS_REGION") or session.get_config_variable("region"))
@@ -179,8 +202,8 @@ def minio_client() -> Any:
 def minio_up(data: memoryview, a: argparse.Namespace, key: str) -> float:
     client = minio_client()
     t0 = time.perf_counter()
-    client.put_object(a.bucket, key, io.BytesIO(data), len(data),  # minio reads bytes objects part_size=a.part_mib * MiB,
-                      num_parallel_uploads=a.inflight)
+    body = io.BytesIO(data)  # a copy: minio reads bytes objects only
+    client.put_object(a.bucket, key, body, len(data), part_size=a.part_mib * MiB, num_parallel_uploads=a.inflight)
     return t0
 
 
@@ -250,6 +273,9 @@ def main() -> None:
     p.add_argument("--part-mib", type=int, default=16)
     p.add_argument("--inflight", type=int, default=8)
     p.add_argument("--key", help="the object (default: clients/CLIENT.bin)")
+    p.add_argument("--copy", action="store_true", help="boto3 up: each part copied into a bounded pool of "
+                   "INFLIGHT buffers before it goes up, instead of sent from where it lies; boto3 down: read "
+                   "through botocore's readinto (a copy) instead of http.client's")
     a = p.parse_args()
     key = a.key or f"clients/{a.client}.bin"
     size = a.size_mib * MiB
@@ -262,8 +288,8 @@ def main() -> None:
         data[:] = b"\xab" * size  # touched, as staging buffers are
         t0 = down(data, a, key)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"client": a.client, "op": a.op, "mib": a.size_mib, "seconds": round(seconds, 4),
-                      "gbps": round(size / seconds / 1e9, 3)}))
+    print(json.dumps({"client": a.client + ("-copy" if a.copy else ""), "op": a.op, "mib": a.size_mib,
+                      "seconds": round(seconds, 4), "gbps": round(size / seconds / 1e9, 3)}))
     sys.stdout.flush()
 
 

@@ -4,6 +4,7 @@ header again), published whole or not at all; ranged reads; prefixes as folders.
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F4
 
 from ckptstream._settings import DirectIO
 from ckptstream._storage import s3client
-from ckptstream._storage.s3 import S3Storage
+from ckptstream._storage.s3 import S3Storage, _reader
 from ckptstream._storage.s3upload import MIN_PART, crc32c_b64
 
 STORE = S3Storage()
@@ -121,6 +122,19 @@ def test_ranged_reads(s3: Bucket) -> None:
         views = [memoryview(bytearray(n)) for n in (7, 0, MiB, 5)]  # one GET, streamed into each in turn
         assert source.readv_into(views, 99) == 7 + MiB + 5
         assert b"".join(bytes(v) for v in views) == data[99 : 99 + 7 + MiB + 5]
+
+
+def test_bodies_are_read_in_place(s3: Bucket) -> None:
+    """A GET's body goes straight into the buffer (http.client's readinto), not through a bytes
+    object: with the client libraries of this environment the fast path is the one taken."""
+    s3.put("r", b"0123456789")
+    body = s3client.client().get_object(Bucket=s3.name, Key="r", Range="bytes=2-5")["Body"]
+    readinto, done = _reader(body)
+    out = bytearray(4)
+    assert readinto.__self__.__class__ is http.client.HTTPResponse  # type: ignore[attr-defined]
+    assert readinto(memoryview(out)) == 4
+    assert out == b"2345"
+    done(True)
 
 
 def test_folders(s3: Bucket) -> None:

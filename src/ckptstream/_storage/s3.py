@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-from collections.abc import Iterator, Sequence
+import http.client
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._settings import DirectIO
@@ -82,11 +83,15 @@ class S3Source(Source):
                 if response["ContentLength"] != hi - lo:  # a server that ignored the range sent it all
                     raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
                                            f"bytes, not {hi - lo}; it does not serve byte ranges")
-                with contextlib.closing(response["Body"]) as body:
-                    while got < want and (n := body.readinto(views[at][into:])):
+                body = response["Body"]
+                readinto, done = _reader(body)
+                try:
+                    while got < want and (n := readinto(views[at][into:])):
                         got, into = got + n, into + n
                         if into == len(views[at]):
                             at, into = at + 1, 0
+                finally:
+                    done(got == want)
                 if got == want:
                     return
                 cause: Exception = ConnectionError(f"the body ended {hi - lo - (offset + got - lo)} bytes early")
@@ -303,6 +308,25 @@ class S3Storage(Storage):
             parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
+
+
+def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
+    """How to read a GET's body straight into a buffer, and how to let it go (given whether it
+    was read to its end). http.client's own readinto fills the buffer in place; botocore's
+    (through urllib3) reads a bytes object and copies it: the former where the layers under
+    botocore are the ones known, the latter otherwise."""
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse) and callable(getattr(raw, "release_conn", None)):
+
+        def done(whole: bool) -> None:
+            if whole and fp.isclosed():  # read to its Content-Length: the connection serves the next request
+                raw.release_conn()
+            else:
+                body.close()
+
+        return fp.readinto, done
+    return body.readinto, lambda whole: body.close()
 
 
 def _prefix(key: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import http.client
 import os
 import threading
 from typing import Any
@@ -171,7 +172,8 @@ def error(e: Exception, url: S3Url | str, what: str) -> Exception:
                                   "attempts; retry later, or raise AWS_MAX_ATTEMPTS", code)
         return ObjectStoreError(name, f"{what} failed ({code}: {text})", code)
     if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError | bx.ReadTimeoutError |
-                  bx.ConnectTimeoutError | bx.ResponseStreamingError | bx.HTTPClientError):
+                  bx.ConnectTimeoutError | bx.ResponseStreamingError | bx.HTTPClientError |
+                  http.client.HTTPException | ConnectionError | TimeoutError):  # the last: a body read in place
         return ConnectionLostError(name, f"the connection to the store failed during {what} after every retry "
                                    f"({e}); check AWS_ENDPOINT_URL and the network")
     return e
