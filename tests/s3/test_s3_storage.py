@@ -5,10 +5,12 @@ header again), published whole or not at all; ranged reads; prefixes as folders.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import subprocess
 import sys
 
+import crc32c
 import pytest
 from s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
@@ -191,3 +193,18 @@ def test_part_size_and_direct_io_are_checked(s3: Bucket) -> None:
 def test_import_ckptstream_imports_no_client() -> None:
     code = "import sys, ckptstream; assert not {'boto3', 'botocore'} & set(sys.modules), 'a client was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": "src"})
+
+
+def test_memory_of_a_256_mib_upload_is_the_head_and_a_small_bound(s3: Bucket) -> None:
+    """Parts go up from the staging buffers themselves: a 256 MiB object written from 8 x 16 MiB
+    buffers grows the writer's RSS by the held-back head and a few MiB of client state, not by
+    a copy of any part (one copy per part in flight would be +128 MiB)."""
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.path.join(here, "..", "reliability")])}
+    out = subprocess.run([sys.executable, os.path.join(here, "child_sink_memory.py"), s3.url("big"), "256"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    figures = json.loads(out)
+    obj = s3.get("big")
+    assert len(obj) == 256 * MiB
+    assert crc32c.crc32c(obj) == figures["crc"]
+    assert figures["growth"] <= MIN_PART + 24 * MiB, figures
