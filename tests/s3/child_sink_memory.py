@@ -23,8 +23,9 @@ PART, THREADS, HEADER = 16 * MiB, 8, 8192
 if __name__ == "__main__":
     url, total = sys.argv[1], int(sys.argv[2]) * MiB
     sink = S3Storage().create(url)  # the client is made and the bucket looked at before the measure
-    buffers = [torch.frombuffer(mmap.mmap(-1, PART), dtype=torch.uint8) for _ in range(THREADS)]
-    for b in buffers:
+    maps = [mmap.mmap(-1, PART) for _ in range(THREADS)]
+    buffers = [(memoryview(m), torch.frombuffer(m, dtype=torch.uint8)) for m in maps]
+    for _, b in buffers:
         b.fill_(1)  # resident, as pooled staging buffers are
     header = torch.randint(0, 256, (HEADER,), dtype=torch.uint8).numpy().tobytes()
     chunks = [(lo, min(total, lo + PART) if lo else PART) for lo in range(0, total, PART)]
@@ -32,17 +33,16 @@ if __name__ == "__main__":
     crcs: dict[int, tuple[int, int]] = {}
     claim, lock = iter(chunks), threading.Lock()
 
-    def run(buf: torch.Tensor) -> None:
+    def run(buf: tuple[memoryview, torch.Tensor]) -> None:
         while True:
             with lock:
                 chunk = next(claim, None)
             if chunk is None:
                 return
             lo, hi = chunk
-            staged = buf[: hi - lo]
             torch.randint(0, 256, (hi - lo,), dtype=torch.uint8, generator=torch.Generator().manual_seed(lo),
-                          out=staged)  # the device copy's stand-in: new bytes in the same buffer
-            view = memoryview(staged.numpy()).cast("B")
+                          out=buf[1][: hi - lo])  # the device copy's stand-in: new bytes in the same buffer
+            view = buf[0][: hi - lo]
             crcs[lo] = (_checksum.crc_of(view), hi - lo)
             sink.write_at(view, lo)
 
