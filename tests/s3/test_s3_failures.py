@@ -20,7 +20,7 @@ from s3server import S3Server, require_rclone
 from s3util import Bucket, MiB, raw_client, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
 
 from ckptstream._storage import s3 as s3_storage
-from ckptstream._storage import s3client
+from ckptstream._storage import s3client, s3journal
 from ckptstream._storage.s3 import S3Storage
 
 STORE = S3Storage()
@@ -138,12 +138,14 @@ def test_connection_lost_mid_upload(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
     assert s3.get("a/ckpt") == old
     assert s3.keys() == ["a/ckpt"]
     assert len(s3.uploads()) == 1  # the abort could not reach the store either
+    assert len(os.listdir(s3journal.directory())) == 1  # noted as this process's, abandoned
     use_server(monkeypatch, tmp_path, s3.server.env)  # the link is back: the next save cleans up
     data = os.urandom(6 * MiB)
     with STORE.create(s3.url("a/ckpt")) as sink:
         assert s3.uploads() == []
         write_like_the_engine(sink, data, 4096, 5 * MiB)
     assert s3.get("a/ckpt") == data
+    assert os.listdir(s3journal.directory()) == []
 
 
 def test_a_read_whose_connection_breaks_asks_again_for_the_rest(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
@@ -181,10 +183,12 @@ def test_killed_writer_leaves_nothing_and_the_next_save_aborts_its_upload(s3: Bu
     assert s3.keys() == ["a/ckpt"]
     assert len(s3.uploads("a/ckpt")) == 1
     data = os.urandom(3 * MiB)
+    assert len(os.listdir(s3journal.directory())) == 1  # the dead writer's note
     with STORE.create(s3.url("a/ckpt")) as sink:  # the dead writer's upload goes first
         assert s3.uploads("a/ckpt") == []
         write_like_the_engine(sink, data, 4096, 5 * MiB)
     assert s3.get("a/ckpt") == data
+    assert os.listdir(s3journal.directory()) == []
 
 
 def test_which_leftover_uploads_are_aborted(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:

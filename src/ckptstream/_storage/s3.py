@@ -208,7 +208,6 @@ class S3Storage(Storage):
         try:
             url = self._object(path)
             client = s3client.client()
-            endpoint = str(client.meta.endpoint_url)
             live = MultipartSink.live_uploads()
             dead = s3journal.dead_writers(url.bucket, url.key, live)
             now = datetime.datetime.now(datetime.timezone.utc)
@@ -222,7 +221,7 @@ class S3Storage(Storage):
                 with contextlib.suppress(Exception):
                     client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
                     removed.append(upload_id)
-                s3journal.forget(endpoint, url.bucket, url.key, upload_id)
+                s3journal.forget(url.bucket, url.key, upload_id)
             return removed
         except Exception:
             return []

@@ -25,9 +25,9 @@ def directory() -> str:
     return os.path.join(base, "ckptstream", "s3-uploads")
 
 
-def _entry_name(endpoint: str, bucket: str, key: str, upload_id: str) -> str:
-    digest = hashlib.sha256("\0".join((endpoint, bucket, key, upload_id)).encode()).hexdigest()[:24]
-    return f"{socket.gethostname()}-{pid_namespace()}-{os.getpid()}-{digest}.json"
+def _digest(bucket: str, key: str, upload_id: str) -> str:
+    """The name of an upload's note, after its writer's: an upload id is unique in its store."""
+    return hashlib.sha256("\0".join((bucket, key, upload_id)).encode()).hexdigest()[:24] + ".json"
 
 
 def record(endpoint: str, bucket: str, key: str, upload_id: str) -> None:
@@ -36,18 +36,19 @@ def record(endpoint: str, bucket: str, key: str, upload_id: str) -> None:
              "host": socket.gethostname(), "ns": pid_namespace(), "pid": os.getpid()}
     with contextlib.suppress(OSError):
         os.makedirs(directory(), exist_ok=True)
-        path = os.path.join(directory(), _entry_name(endpoint, bucket, key, upload_id))
+        name = f"{socket.gethostname()}-{pid_namespace()}-{os.getpid()}-{_digest(bucket, key, upload_id)}"
+        path = os.path.join(directory(), name)
         with open(path + ".part", "w", encoding="utf-8") as f:
             json.dump(entry, f)
         os.replace(path + ".part", path)
 
 
-def forget(endpoint: str, bucket: str, key: str, upload_id: str) -> None:
+def forget(bucket: str, key: str, upload_id: str) -> None:
     """The upload is completed or aborted: drop its note (also another, dead process's)."""
-    folder = directory()
+    folder, digest = directory(), _digest(bucket, key, upload_id)
     with contextlib.suppress(OSError):
         for name in os.listdir(folder):
-            if name.endswith(_entry_name(endpoint, bucket, key, upload_id).rsplit("-", 1)[1]):
+            if name.endswith(digest):
                 os.unlink(os.path.join(folder, name))
 
 

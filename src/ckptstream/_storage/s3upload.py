@@ -272,7 +272,7 @@ class MultipartSink(Sink):
     def _forget(self, upload_id: str) -> None:
         with _live_lock:
             _live.discard(upload_id)
-        s3journal.forget(self._endpoint, self.url.bucket, self.url.key, upload_id)
+        s3journal.forget(self.url.bucket, self.url.key, upload_id)
 
     def close(self) -> None:
         self.abandon()
