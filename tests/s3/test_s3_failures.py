@@ -208,3 +208,14 @@ def test_which_leftover_uploads_are_aborted(s3: Bucket, monkeypatch: pytest.Monk
     assert sorted(s3.uploads()) == sorted([*mine, neighbour])
     live.publish()
     assert s3.uploads() == [neighbour]
+
+
+def test_a_journal_that_cannot_be_written_fails_no_save(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    (tmp_path / "not-a-folder").write_bytes(b"")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))  # no journal can be made under it
+    data = os.urandom(12 * MiB)
+    with STORE.create(s3.url("k")) as sink:
+        write_like_the_engine(sink, data, 4096, 5 * MiB)
+    assert s3.get("k") == data
+    assert s3.uploads() == []
