@@ -188,6 +188,16 @@ def test_part_size_and_direct_io_are_checked(s3: Bucket) -> None:
             sink.grid(16 * MiB, DirectIO.ON)
         sink.write_at(memoryview(b"tiny"), 0)
     assert s3.get("k") == b"tiny"
+    sink = STORE.create(s3.url("k"))
+    sink.write_at(memoryview(bytes(4096)), 0)
+    part = sink.grid(5 * MiB, DirectIO.AUTO)  # the head is the first part: part n starts at (n - 1) * part
+    with pytest.raises(ValueError, match=r"offset 5242881 does not start a part.*sink's grid"):
+        sink.write_at(memoryview(b"x"), part + 1)
+    with pytest.raises(s3client.ObjectStoreError, match=r"more than 10000 parts.*at least 5243405"):
+        sink.write_at(memoryview(b"x"), 10_000 * part)  # part 10001
+    sink.abandon()
+    assert s3.get("k") == b"tiny"
+    assert s3.uploads() == []
 
 
 def test_import_ckptstream_imports_no_client() -> None:
