@@ -63,6 +63,24 @@ def test_nothing_visible_until_published(s3: Bucket) -> None:
     assert s3.uploads() == []
 
 
+def test_publish_and_abandon_happen_once(s3: Bucket) -> None:
+    sink = STORE.create(s3.url("k"))
+    sink.write_at(memoryview(b"one"), 0)
+    sink.publish()
+    sink.publish()  # again: nothing
+    sink.abandon()  # after publish: nothing
+    assert s3.get("k") == b"one"
+    with pytest.raises(ValueError, match="was published"):
+        sink.write_at(memoryview(b"two"), 0)
+    sink = STORE.create(s3.url("k"))
+    sink.write_at(memoryview(b"two"), 0)
+    sink.abandon()
+    sink.abandon()  # twice: nothing
+    with pytest.raises(ValueError, match="was abandoned"):
+        sink.publish()
+    assert s3.get("k") == b"one"
+
+
 def test_abandon_aborts_the_upload(s3: Bucket) -> None:
     old = random_data(1000)
     s3.put("a/ckpt", old)
@@ -167,6 +185,8 @@ def test_folders(s3: Bucket) -> None:
         STORE.open(s3.url("run/step-1"))
     with pytest.raises(IsADirectoryError):
         STORE.create(s3.url("run/step-1/"))
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        STORE.create(s3.url("run/step-1"))  # objects lie under it
 
 
 def test_remove_tree_takes_objects_and_open_uploads(s3: Bucket) -> None:

@@ -134,8 +134,13 @@ class S3Storage(Storage):
         return MultipartSink(url)
 
     def check_target(self, path: str) -> str:
+        """The URL, once its bucket answers and its key is not a folder (a prefix objects lie
+        under, as the manager's step folders are): one HEAD and one LIST."""
         url = self._object(path)
         check_bucket(s3client.client(), url)
+        if self._has_children(url):
+            raise IsADirectoryError(errno.EISDIR, "is a folder (a prefix of objects); give the URL of an object in it",
+                                    path)
         return str(url)
 
     def size(self, path: str) -> int:

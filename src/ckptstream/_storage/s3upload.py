@@ -100,7 +100,7 @@ class MultipartSink(Sink):
         self._start_failed: Exception | None = None
         self._parts: dict[int, tuple[int, int, str, str]] = {}  # part -> (offset, length, etag, crc)
         self._end = 0  # the end of the furthest write
-        self._closed = False
+        self._state = "open"  # then "published" or "abandoned"
 
     @staticmethod
     def _first_part(part: int) -> int:
@@ -193,13 +193,15 @@ class MultipartSink(Sink):
             return self._upload_id
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"{self.name}: the sink is closed (published or abandoned)")
+        if self._state != "open":
+            raise ValueError(f"{self.name}: the sink was {self._state}; create a new one to write again")
 
     # --- publish / abandon ----------------------------------------------------------------
 
     def publish(self) -> None:
         with self._lock:
+            if self._state == "published":
+                return
             self._check_open()
             upload_id = self._upload_id
         try:
@@ -210,7 +212,7 @@ class MultipartSink(Sink):
         except BaseException:
             self.abandon()
             raise
-        self._closed = True
+        self._state = "published"
 
     def _put_whole(self) -> None:
         """An object within its head: one PUT."""
@@ -253,9 +255,9 @@ class MultipartSink(Sink):
 
     def abandon(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._state != "open":
                 return
-            self._closed = True
+            self._state = "abandoned"
             upload_id = self._upload_id
         if upload_id is None:
             return
