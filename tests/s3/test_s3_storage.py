@@ -238,3 +238,16 @@ def test_memory_of_a_256_mib_upload_is_the_head_and_a_small_bound(s3: Bucket) ->
     assert len(obj) == 256 * MiB
     assert crc32c.crc32c(obj) == figures["crc"]
     assert figures["growth"] <= MIN_PART + 24 * MiB, figures
+
+
+def test_without_boto3_an_s3_url_says_what_to_install() -> None:
+    code = ("import sys; sys.modules['boto3'] = None\n"  # as if not installed: importing it raises ImportError
+            "import ckptstream, torch\n"
+            "try:\n"
+            "    ckptstream.save({'w': torch.ones(2)}, 's3://bucket/k')\n"
+            "except ckptstream.UnsupportedStorageError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": "src"}).stdout
+    assert "s3://bucket/k" in out
+    assert "pip install 'ckptstream[s3]'" in out

@@ -117,6 +117,9 @@ class S3Source(Source):
 class S3Storage(Storage):
     """``s3://bucket/key`` URLs on the endpoint the standard AWS configuration names."""
 
+    def __init__(self) -> None:
+        import boto3  # noqa: F401  (made at the first s3:// URL: without boto3, that URL says what to install)
+
     def open(self, path: str) -> S3Source:
         url = self._object(path)
         try:

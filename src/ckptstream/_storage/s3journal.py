@@ -16,8 +16,8 @@ import os
 import socket
 from collections.abc import Iterator
 
-from .._publish import _process_alive as process_alive
-from .._publish import pid_namespace
+from .publish import _process_alive as process_alive
+from .publish import pid_namespace
 
 
 def directory() -> str:
