@@ -168,8 +168,8 @@ class S3Storage(Storage):
             entries += [Entry(o["Key"][len(prefix) :], "file") for o in page.get("Contents", ())
                         if o["Key"] != prefix]
             entries += [Entry(p["Prefix"][len(prefix) :].rstrip("/"), "folder") for p in page.get("CommonPrefixes", ())]
-        if not entries:
-            raise FileNotFoundError(errno.ENOENT, "no object lies under this prefix", folder)
+        # a prefix nothing lies under lists empty: a store cannot tell a folder made and left empty
+        # (make_folders makes nothing) from none, and callers make folders before they list them
         return sorted(entries, key=lambda e: e.name)
 
     def remove(self, path: str, *, missing_ok: bool = False) -> None:
