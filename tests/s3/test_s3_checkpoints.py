@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -134,6 +135,24 @@ def test_dcp_on_s3(s3: Bucket) -> None:
     assert torch.equal(out["a"], sd["a"])
     assert torch.equal(out["b"], sd["b"])
     assert ".metadata" in [k.rsplit("/", 1)[1] for k in s3.keys("dcp-1/")]
+
+
+def test_dcp_with_two_gloo_ranks(s3: Bucket) -> None:
+    with socket.socket() as sock:  # a free port for the group's store, on this machine only
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = {**child_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
+        ranks.append(subprocess.Popen([sys.executable, str(HERE / "child_dcp_rank.py"), s3.url("run/dcp-5")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=240)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+    names = [k.removeprefix("run/dcp-5/") for k in s3.keys("run/dcp-5/")]
+    assert ".metadata" in names
+    assert len([n for n in names if n.endswith(".safetensors")]) == 2, names  # one object per rank
+    assert s3.uploads() == []
 
 
 def test_errors_name_the_url_before_any_work(s3: Bucket) -> None:
