@@ -156,7 +156,7 @@ def test_dcp_with_two_gloo_ranks(s3: Bucket) -> None:
 
 
 def test_errors_name_the_url_before_any_work(s3: Bucket) -> None:
-    with pytest.raises(s3client.BucketNotFoundError, match="s3://no-such-bucket/k"):
+    with pytest.raises(ckptstream.BucketNotFoundError, match="s3://no-such-bucket/k"):
         ckptstream.save({"w": random_tensor(3)}, "s3://no-such-bucket/k")
     with pytest.raises(FileNotFoundError, match="no such object"):
         ckptstream.load(s3.url("absent.safetensors"))

@@ -19,6 +19,7 @@ from faultproxy import FaultProxy
 from s3server import S3Server, require_rclone
 from s3util import Bucket, MiB, raw_client, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
 
+import ckptstream
 from ckptstream._storage import s3 as s3_storage
 from ckptstream._storage import s3client, s3journal
 from ckptstream._storage.s3 import S3Storage
@@ -33,7 +34,7 @@ def test_no_credentials(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     s3client.reset_client()
     url = s3.url("a/ckpt")
     for call in (lambda: STORE.open(url), lambda: STORE.create(url), lambda: STORE.list_folder(s3.url("a"))):
-        with pytest.raises(s3client.NoCredentialsError, match=r"no credentials.*AWS_ACCESS_KEY_ID.*s3://") as info:
+        with pytest.raises(ckptstream.NoCredentialsError, match=r"no credentials.*AWS_ACCESS_KEY_ID.*s3://") as info:
             call()
         assert isinstance(info.value, PermissionError)
         assert info.value.url.startswith(url[:-6])
@@ -43,13 +44,14 @@ def test_missing_bucket(s3: Bucket) -> None:
     url = "s3://no-such-bucket-here/a/ckpt"
     for call in (lambda: STORE.open(url), lambda: STORE.create(url), lambda: STORE.size(url),
                  lambda: STORE.list_folder("s3://no-such-bucket-here/a")):
-        with pytest.raises(s3client.BucketNotFoundError, match=r"'no-such-bucket-here' does not exist.*s3://") as info:
+        missing = r"'no-such-bucket-here' does not exist.*s3://"
+        with pytest.raises(ckptstream.BucketNotFoundError, match=missing) as info:
             call()
         assert isinstance(info.value, FileNotFoundError)
 
 
 def test_missing_object(s3: Bucket) -> None:
-    with pytest.raises(s3client.ObjectNotFoundError, match=r"no such object.*s3://.*/none") as info:
+    with pytest.raises(ckptstream.ObjectNotFoundError, match=r"no such object.*s3://.*/none") as info:
         STORE.open(s3.url("none"))
     assert isinstance(info.value, FileNotFoundError)
 
@@ -61,7 +63,7 @@ def test_access_denied(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     url = s3.url("a/ckpt")
     for call in (lambda: STORE.open(url), lambda: STORE.create(url), lambda: STORE.list_folder(s3.url("a"))):
         denied = r"access denied \((opening|listing|looking).*(SignatureDoesNotMatch|403).*s3://"
-        with pytest.raises(s3client.AccessDeniedError, match=denied) as info:
+        with pytest.raises(ckptstream.AccessDeniedError, match=denied) as info:
             call()
         assert isinstance(info.value, PermissionError)
     assert s3.get("a/ckpt") == b"old"
@@ -91,7 +93,7 @@ def test_throttling_is_retried_then_raised(one_upload_server: tuple[Bucket, Any]
     attempts = []
     s3client.client().meta.events.register("needs-retry.s3.CreateMultipartUpload",
                                            lambda attempts_=None, **kw: attempts.append(kw["attempts"]))
-    with pytest.raises(s3client.ThrottledError, match=r"throttled.*SlowDown.*2 attempts.*s3://throttled/a/ckpt"), \
+    with pytest.raises(ckptstream.ThrottledError, match=r"throttled.*SlowDown.*2 attempts.*s3://throttled/a/ckpt"), \
             STORE.create(bucket.url("a/ckpt")) as sink:
         write_like_the_engine(sink, os.urandom(12 * MiB), 4096, 5 * MiB, threads=1)
     assert attempts == [1, 2]
@@ -128,7 +130,7 @@ def test_connection_lost_mid_upload(s3: Bucket, monkeypatch: pytest.MonkeyPatch,
     try:
         use_server(monkeypatch, tmp_path, {**s3.server.env, "AWS_ENDPOINT_URL": proxy.endpoint,
                                            "AWS_MAX_ATTEMPTS": "2"})
-        with pytest.raises(s3client.ConnectionLostError, match=r"connection.*failed.*s3://.*/a/ckpt") as info, \
+        with pytest.raises(ckptstream.ConnectionLostError, match=r"connection.*failed.*s3://.*/a/ckpt") as info, \
                 STORE.create(s3.url("a/ckpt")) as sink:
             write_like_the_engine(sink, os.urandom(40 * MiB), 4096, 5 * MiB)
         assert isinstance(info.value, ConnectionError)

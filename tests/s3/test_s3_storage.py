@@ -14,6 +14,7 @@ import crc32c
 import pytest
 from s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
+import ckptstream
 from ckptstream._settings import DirectIO
 from ckptstream._storage import s3client
 from ckptstream._storage.s3 import S3Storage, _reader
@@ -101,7 +102,7 @@ def test_a_hole_in_the_writes_fails_the_publish(s3: Bucket) -> None:
     """A writer that left a chunk out: nothing is published, the upload is aborted."""
     old = random_data(1000)
     s3.put("a/ckpt", old)
-    with pytest.raises(s3client.ObjectStoreError, match=r"hole.*s3://.*/a/ckpt"), \
+    with pytest.raises(ckptstream.ObjectStoreError, match=r"hole.*s3://.*/a/ckpt"), \
             STORE.create(s3.url("a/ckpt")) as sink:
         write_like_the_engine(sink, random_data(30 * MiB), 4096, 5 * MiB, skip=2)
     assert s3.get("a/ckpt") == old
@@ -212,7 +213,7 @@ def test_part_size_and_direct_io_are_checked(s3: Bucket) -> None:
     part = sink.grid(5 * MiB, DirectIO.AUTO)  # the head is the first part: part n starts at (n - 1) * part
     with pytest.raises(ValueError, match=r"offset 5242881 does not start a part.*sink's grid"):
         sink.write_at(memoryview(b"x"), part + 1)
-    with pytest.raises(s3client.ObjectStoreError, match=r"more than 10000 parts.*at least 5243405"):
+    with pytest.raises(ckptstream.ObjectStoreError, match=r"more than 10000 parts.*at least 5243405"):
         sink.write_at(memoryview(b"x"), 10_000 * part)  # part 10001
     sink.abandon()
     assert s3.get("k") == b"tiny"

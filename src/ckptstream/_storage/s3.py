@@ -16,10 +16,11 @@ import http.client
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .._errors import BucketNotFoundError, ConnectionLostError, ObjectNotFoundError, ObjectStoreError
 from .._settings import DirectIO
 from . import s3client, s3journal
 from .base import Entry, Source, Storage
-from .s3client import ObjectNotFoundError, ObjectStoreError, S3Url
+from .s3client import S3Url
 from .s3upload import MultipartSink
 
 # an upload untouched for this long is aborted by the next writer of its key, whoever started it
@@ -102,12 +103,12 @@ class S3Source(Source):
                 if getattr(typed, "code", None) in ("PreconditionFailed", "412"):
                     raise ObjectStoreError(self.name, "the object was replaced while it was read; open it again",
                                            "PreconditionFailed") from e
-                if not isinstance(typed, s3client.ConnectionLostError):
+                if not isinstance(typed, ConnectionLostError):
                     raise typed from e
                 cause = e
             failures += 1
             if failures >= s3client.DEFAULT_ATTEMPTS:
-                raise s3client.ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
+                raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause
 
     def close(self) -> None:
@@ -358,6 +359,6 @@ def check_bucket(client: Any, url: S3Url) -> None:
     except Exception as e:
         typed = s3client.error(e, url, "looking at the bucket")
         if isinstance(typed, ObjectNotFoundError):
-            typed = s3client.BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it "
+            typed = BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it "
                                                  "first, or check the URL and AWS_ENDPOINT_URL", "NoSuchBucket")
         raise typed from e

@@ -11,66 +11,26 @@ region, credentials and retry policy come from where every AWS SDK looks: ``AWS_
 from __future__ import annotations
 
 import dataclasses
-import errno
 import http.client
 import os
 import threading
 from typing import Any
 
-from .._errors import CkptStreamError
+from .._errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConnectionLostError,
+    NoCredentialsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ThrottledError,
+)
 
 SCHEME = "s3://"
 # attempts per request where the configuration sets none: throttling and lost connections are
 # retried with botocore's capped exponential backoff (standard mode), so a bounded wait
 DEFAULT_ATTEMPTS = 6
 POOL_CONNECTIONS = 64  # above the I/O threads of any transfer: a request never waits for a socket
-
-
-class ObjectStoreError(CkptStreamError, OSError):
-    """A request to an object store failed; ``url`` names the object, ``code`` is the store's
-    error code (None where no answer came)."""
-
-    default_errno = errno.EIO
-
-    def __init__(self, url: str, message: str, code: str | None = None) -> None:
-        super().__init__(self.default_errno, message, url)
-        self.url, self.code = url, code
-
-
-class NoCredentialsError(ObjectStoreError, PermissionError):
-    """No credentials were found in the standard places."""
-
-    default_errno = errno.EACCES
-
-
-class AccessDeniedError(ObjectStoreError, PermissionError):
-    """The store refused the credentials or their permissions."""
-
-    default_errno = errno.EACCES
-
-
-class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
-    """The bucket of a URL does not exist."""
-
-    default_errno = errno.ENOENT
-
-
-class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
-    """No object has the key of a URL."""
-
-    default_errno = errno.ENOENT
-
-
-class ThrottledError(ObjectStoreError):
-    """The store kept asking to slow down after every retry."""
-
-    default_errno = errno.EAGAIN
-
-
-class ConnectionLostError(ObjectStoreError, ConnectionError):
-    """The endpoint could not be reached, or a connection broke, after every retry."""
-
-    default_errno = errno.ECONNRESET
 
 
 @dataclasses.dataclass(frozen=True)

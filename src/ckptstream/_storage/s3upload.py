@@ -19,10 +19,11 @@ import threading
 from typing import Any
 
 from .. import _checksum
+from .._errors import ObjectStoreError
 from .._settings import DirectIO
 from . import s3client, s3journal
 from .base import Sink, round_up
-from .s3client import ObjectStoreError, S3Url
+from .s3client import S3Url
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part but the last
