@@ -160,4 +160,7 @@ def test_errors_name_the_url_before_any_work(s3: Bucket) -> None:
         ckptstream.save({"w": random_tensor(3)}, "s3://no-such-bucket/k")
     with pytest.raises(FileNotFoundError, match="no such object"):
         ckptstream.load(s3.url("absent.safetensors"))
+    ckptstream.save({"w": random_tensor(3)}, s3.url("k.safetensors"))
+    with pytest.raises(ckptstream.UnsupportedStorageError, match=r"s3://.*k\.safetensors"):
+        ckptstream.load(s3.url("k.safetensors"), mmap=True)  # an object cannot be mapped
     assert s3.uploads() == []
