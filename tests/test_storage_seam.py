@@ -30,7 +30,6 @@ NOT_YET_PORTED = {
                   "ported onto list_folder / read_small / write_small / remove / remove_tree / sync_folder",
     "_ranks.py": "the ranks' FAILED markers and waits on files; then write_small / read_small / exists",
     "_manager.py": "makes its folders and checks them; then make_folders / exists",
-    "_async.py": "checks a save's target through the old _publish name; then storage_for(path).check_target",
     "_fileio.py": "the old name of the descriptor primitives, kept for the modules above until they are ported",
     "_publish.py": "the old name of the publish protocol, kept for the modules above until they are ported",
     "cli.py": "tells a file from a folder itself; then storage_for(path).list_folder / exists",

@@ -37,9 +37,9 @@ from typing import Any
 
 from ._capture import BY_VALUE_BYTES, MODES, AsyncMode, SnapshotFallbackWarning, capture
 from ._errors import CkptStreamError
-from ._publish import check_target
 from ._save import plan_checkpoint, write_checkpoint
 from ._settings import INHERIT, Settings, call_settings
+from ._storage import storage_for
 
 __all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "CheckpointNotSavedError", "SaveHandle", "SnapshotFallbackWarning",
            "begin", "in_flight", "save_async", "say"]
@@ -341,7 +341,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
     """Start a background save (``save_async``, and the manager's saves, whose ``then`` runs in
     the worker once the file is published or failed: its exception becomes the save's)."""
     mode = check_options(mode, max_in_flight)
-    target = check_target(path)
+    target = storage_for(path).check_target(os.fsdecode(path))
     plan = plan_checkpoint(state, metadata, checksum)  # bad input raises here; leaves captured now
     handle = SaveHandle(target, mode, step)
     _reserve(handle, max_in_flight)

@@ -121,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         opts = resolve_options(args)
+        if opts.dir.lower().startswith("s3://"):
+            from . import objectstore
+
+            return objectstore.run(opts)
         if opts.training:
             return _run_training(opts)
         return _run_sweep(opts) if opts.sweep else _run_bench(opts)

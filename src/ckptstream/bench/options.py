@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--repeat", type=int,
         help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep; "
              "with --training: checkpoints per system, default 2)")
-    add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
+    add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there; or "
+        "s3://bucket/prefix: save and load beside the S3 client's own upload and download (pip install "
+        "'ckptstream[s3]'; the endpoint and keys from the standard AWS variables)")
     add("--systems", nargs="+", metavar="NAME",
         help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)}; with --ranks also dcp-stream)")
     add("--variants", nargs="+", metavar="LABEL",
@@ -213,7 +215,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
         repeat = args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
     if repeat < 1:
         raise BenchError(f"--repeat must be >= 1, got {repeat}")
-    if not os.path.isdir(args.dir):
+    url = args.dir.lower().startswith("s3://")  # an object store: see bench/objectstore.py
+    if not url and not os.path.isdir(args.dir):
         raise BenchError(f"--dir {args.dir!r} is not a directory")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         raise BenchError("--plot needs matplotlib, which is not installed: pip install 'ckptstream[bench]'")
@@ -225,7 +228,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
     systems = _systems(args.systems, args.ranks)
-    return Options(device, spec, repeat, os.path.abspath(args.dir), systems, args.json,
+    return Options(device, spec, repeat, args.dir if url else os.path.abspath(args.dir), systems, args.json,
                    args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
                    _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None,
                    args.training_steps, args.hot_runs, _variants(args.variants, systems))
