@@ -194,7 +194,11 @@ def test_remove_tree_takes_objects_and_open_uploads(s3: Bucket) -> None:
         s3.put(f"run/step-1/f{i}", b"x")
     s3.put("run/step-10", b"kept")  # shares the prefix's letters, not its folder
     s3.raw.create_multipart_upload(Bucket=s3.name, Key="run/step-1/state")
+    s3.raw.create_multipart_upload(Bucket=s3.name, Key="run/step-1/deeper/x")
+    assert STORE.unfinished(s3.url("run/step-1")) == ["state"]  # the folder's own names, uploads only
+    assert STORE.unfinished(s3.url("run")) == []
     STORE.remove_tree(s3.url("run/step-1"))
+    assert STORE.unfinished(s3.url("run/step-1")) == []
     assert s3.keys() == ["run/step-10"]
     assert s3.uploads() == []
     STORE.remove_tree(s3.url("run/step-1"))  # nothing there: nothing happens

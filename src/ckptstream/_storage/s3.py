@@ -235,6 +235,16 @@ class S3Storage(Storage):
         except Exception:
             return []
 
+    def unfinished(self, folder: str) -> list[str]:
+        """The names directly under the prefix with incomplete uploads (one LIST of uploads)."""
+        try:
+            url = s3client.parse(folder)
+            prefix = _prefix(url.key)
+            keys = {u["Key"][len(prefix) :] for u in self._uploads(url.child(prefix), exact=False)}
+        except Exception:
+            return []
+        return sorted(k for k in keys if k and "/" not in k)
+
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
         client = s3client.client()
