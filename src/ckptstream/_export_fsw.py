@@ -28,8 +28,10 @@ from .dcp._pickles import Allowed, Refused
 
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... name length, extra length
-_LEGACY_STORAGES = {name: cls for name, cls in vars(torch).items() if isinstance(cls, type)
-                    and name.endswith("Storage") and issubclass(cls, torch.storage._LegacyStorage)}
+# the storage classes of torch.save's typed storages, by name, with their dtypes (quantized ones left out)
+_LEGACY = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+           if not name.startswith("Q") and isinstance(getattr(torch, name, None), type)}
+_LEGACY_STORAGES: dict[str, type] = {name: getattr(torch, name) for name in _LEGACY}
 
 
 class _Storage(NamedTuple):
@@ -81,7 +83,7 @@ TENSOR = _pickles.PLAIN | Allowed(
             ("torch", "UntypedStorage"): torch.UntypedStorage},
 )  # fmt: skip
 _STORAGE_DTYPES: dict[int, torch.dtype | None] = {id(torch.UntypedStorage): None,
-                                                   **{id(cls): cls.dtype for cls in _LEGACY_STORAGES.values()}}
+                                                   **{id(getattr(torch, n)): d for n, d in _LEGACY.items()}}
 
 
 class _TensorUnpickler(_pickles.SafeUnpickler):

@@ -162,7 +162,8 @@ def _from_dcp(directory: str, prefix: str | None, cfg: Settings) -> Found:
     tensors_md = {fqn: m for fqn, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     names = strip_prefix(list(tensors_md), prefix, directory)
     records = md.storage_data if isinstance(md.storage_data, dict) else {}
-    by_chunk = {(i.fqn, _sizes(i.offset, directory, i.fqn)): r for i, r in records.items()}
+    by_chunk = {(i.fqn, _sizes(i.offset, directory, i.fqn)): r for i, r in records.items()
+                if getattr(i, "fqn", None) in tensors_md}  # non-tensor values' records have no offsets
     storage = storage_for(directory)
     files = _RankFiles(directory, cfg)
     out = []
