@@ -53,7 +53,7 @@ def tokens() -> torch.Tensor:
 
 def logits(model: Any) -> torch.Tensor:
     with torch.no_grad():
-        return model(tokens()).logits  # type: ignore[no-any-return]
+        return model(tokens()).logits
 
 
 def reload(folder: Path, dtype: torch.dtype | None = None) -> Any:
@@ -65,8 +65,9 @@ def reload(folder: Path, dtype: torch.dtype | None = None) -> Any:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kwargs = {"dtype": dtype} if dtype is not None else {}
-        return GPT2LMHeadModel.from_pretrained(folder, **kwargs).eval()
+        if dtype is None:
+            return GPT2LMHeadModel.from_pretrained(folder).eval()
+        return GPT2LMHeadModel.from_pretrained(folder, dtype=dtype).eval()
 
 
 def check_folder(folder: Path, *, shards: int | None = None) -> dict[str, Any]:

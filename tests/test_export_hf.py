@@ -17,14 +17,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-import ckptstream  # noqa: E402
-from ckptstream import CorruptCheckpointError, ExportError  # noqa: E402
-from ckptstream._layout import step_dir, write_done  # noqa: E402
-from ckptstream.cli import main  # noqa: E402
-from helpers import flip_last_byte  # noqa: E402
-from hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state  # noqa: E402
+import ckptstream
+from ckptstream import CorruptCheckpointError, ExportError
+from ckptstream._layout import step_dir, write_done
+from ckptstream.cli import main
+from helpers import flip_last_byte
+from hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state
 
-SMALL = {"buffer_size": 8192, "num_buffers": 3, "io_threads": 3}  # windows cut tensors and runs
+SMALL: dict[str, Any] = {"buffer_size": 8192, "num_buffers": 3, "io_threads": 3}  # windows cut tensors and runs
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def test_a_training_state_exports_as_save_pretrained_shards_it(tmp_path: Path, g
     out = tmp_path / "hf"
     result = ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="40KB", config=config, **SMALL)
     tensors = check_folder(out)
-    assert len(result.files) == len(list(out.iterdir())) and result.files[-1] == "model.safetensors.index.json"
+    assert len(result.files) == len(list(out.iterdir()))
+    assert result.files[-1] == "model.safetensors.index.json"
     assert result.tied == {"lm_head.weight": "transformer.wte.weight"}
     want = {k: v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
     assert tensors.keys() == want.keys()
@@ -56,7 +57,8 @@ def test_a_training_state_exports_as_save_pretrained_shards_it(tmp_path: Path, g
     gpt2.save_pretrained(tmp_path / "theirs", max_shard_size="40KB")
     theirs = json.loads((tmp_path / "theirs" / "model.safetensors.index.json").read_text())
     ours = json.loads((out / "model.safetensors.index.json").read_text())
-    assert ours["weight_map"] == theirs["weight_map"] and len(set(ours["weight_map"].values())) >= 3
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert len(set(ours["weight_map"].values())) >= 3
     assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
 
 
@@ -96,7 +98,8 @@ def test_a_cast_is_torchs_own_and_leaves_integers_alone(tmp_path: Path, dtype: s
     assert got.keys() == state.keys()
     for name, t in state.items():
         want = t.to(target) if t.dtype.is_floating_point else t
-        assert got[name].dtype == want.dtype and torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        assert got[name].dtype == want.dtype, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
 
 
 def test_a_bf16_export_reloads_as_the_model_cast_to_bf16(tmp_path: Path, gpt2: Any, state_file: Path) -> None:
@@ -119,7 +122,7 @@ def test_bad_arguments_raise_typed_errors_naming_the_source_and_write_nothing(tm
     with pytest.raises(ExportError, match="no name left once the prefix"):
         ckptstream.export_hf(state_file, out, prefix="model.transformer.wte.weight")
     (tmp_path / "bad.json").write_text("[1, 2]")
-    with pytest.raises(ExportError, match="bad.json: holds a JSON list"):
+    with pytest.raises(ExportError, match=r"bad\.json: holds a JSON list"):
         ckptstream.export_hf(state_file, out, prefix="model.", config=tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError):
         ckptstream.export_hf(tmp_path / "missing.safetensors", out)
@@ -216,7 +219,8 @@ def test_the_command(tmp_path: Path, gpt2: Any, state_file: Path, capsys: pytest
                  "--config", str(tmp_path / "cfg" / "config.json")])
     assert code == 0
     out = capsys.readouterr().out
-    assert "lm_head.weight: tied to transformer.wte.weight" in out and "model.safetensors.index.json" in out
+    assert "lm_head.weight: tied to transformer.wte.weight" in out
+    assert "model.safetensors.index.json" in out
     assert_reloads(tmp_path / "hf", gpt2)
     assert main(["export-hf", str(state_file), str(tmp_path / "hf2"), "--prefix", "x.", "--quiet"]) == 2
     assert f"{state_file}: no tensor's name starts with the prefix 'x.'" in capsys.readouterr().err

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hfutil import tiny_gpt2
 
 import ckptstream.dcp
+from hfutil import tiny_gpt2
 
 try:
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -18,13 +18,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from dcp_helpers import HERE, SRC, finish_ranks, single_process, worker_env  # noqa: E402
+import torch.distributed.checkpoint as dcp
+from dcp_helpers import HERE, SRC, finish_ranks, single_process, worker_env
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import ckptstream  # noqa: E402
-import ckptstream.dcp  # noqa: E402
-from ckptstream import ExportError  # noqa: E402
-from hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2  # noqa: E402
+import ckptstream
+import ckptstream.dcp
+from ckptstream import ExportError
+from hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2
 
 TESTS = HERE.parent
 
@@ -70,7 +71,9 @@ def test_a_dim_1_shard_interleaves_its_rows(saved: Path) -> None:
     with ckptstream.open(saved / "shard1" / "rank-00001.safetensors") as reader:
         assert reader.entry("transformer.h.0.mlp.c_fc.weight").shape == (64, 128)  # half of (64, 256)
     metadata = ckptstream.dcp.StreamReader(saved / "shard1").read_metadata()
-    chunks = metadata.state_dict_metadata["transformer.h.0.mlp.c_fc.weight"].chunks
+    tensor = metadata.state_dict_metadata["transformer.h.0.mlp.c_fc.weight"]
+    assert isinstance(tensor, TensorStorageMetadata)
+    chunks = tensor.chunks
     assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (0, 128)]
 
 
