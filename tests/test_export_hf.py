@@ -229,3 +229,13 @@ def test_the_command(tmp_path: Path, gpt2: Any, state_file: Path, capsys: pytest
     assert "fails its CRC-32C check" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export-hf", str(state_file), str(tmp_path / "hf4"), "--dtype", "int8"])
+
+
+def test_the_benchmark_measures_an_export_against_a_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "export.json"
+    assert main(["bench", "--export", "--quick", "--repeat", "2", "--dir", str(tmp_path), "--json", str(report)]) == 0
+    assert "time ratio" in capsys.readouterr().out
+    rows = json.loads(report.read_text())["export"]["rows"]
+    assert set(rows) == {"export", "export --dtype bf16 (fp32 master)"}
+    assert all(len(r["ratio"]) == 2 and r["ratio_median"] > 0 for r in rows.values())
+    assert [p.name for p in tmp_path.iterdir()] == ["export.json"]  # its workspace removed

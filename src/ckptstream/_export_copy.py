@@ -206,15 +206,16 @@ class Copier:
         pos = e0
         for _, _, a, z, _ in found:
             if a != pos:
-                break
+                self._not_tiled(t_i, "two chunks hold" if a < pos else "no chunk holds", min(a, pos))
             pos = z
         if pos != e1:
-            t = self.tensors[t_i]
-            how = "two chunks hold" if any(a < pos for _, _, a, _, _ in found) else "no chunk holds"
-            raise CorruptCheckpointError(f"{t.boxes[0].what}: {how} element {pos} of {t.key!r} (shape "
-                                         f"{list(t.shape)}): the chunks do not tile the tensor; the metadata is "
-                                         "damaged")
+            self._not_tiled(t_i, "no chunk holds", pos)
         return found
+
+    def _not_tiled(self, t_i: int, how: str, element: int) -> None:
+        t = self.tensors[t_i]
+        raise CorruptCheckpointError(f"{t.boxes[0].what}: {how} element {element} of {t.key!r} (shape "
+                                     f"{list(t.shape)}): the chunks do not tile the tensor; the metadata is damaged")
 
     def _read(self, reads: list[_Read], crcs: list[tuple[int, int, int]]) -> None:
         """Read each run into its view: back-to-back runs of one file in one vectored read."""

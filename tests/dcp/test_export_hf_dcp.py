@@ -148,3 +148,23 @@ def test_cuda_dtensors_export_and_reload_bit_exact(tmp_path: Path) -> None:
     tensors = _export_and_reload(tmp_path / "cuda", tmp_path / "hf")
     want = tiny_gpt2().state_dict()
     assert all(torch.equal(tensors[k], v) for k, v in want.items())
+
+
+def test_chunks_that_overlap_are_refused(saved: Path, tmp_path: Path) -> None:
+    import dataclasses
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved / "shard0", copy)
+    metadata = pickle.loads((copy / ".metadata").read_bytes())
+    fqn = "transformer.h.0.mlp.c_fc.weight"
+    chunks = metadata.state_dict_metadata[fqn].chunks
+    moved = chunks[1]
+    chunks[1] = dataclasses.replace(moved, offsets=torch.Size([16, 0]))  # rows 16..31 twice, 48..63 in none
+    record = metadata.storage_data.pop(MetadataIndex(fqn, moved.offsets))
+    metadata.storage_data[MetadataIndex(fqn, [16, 0])] = record
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"two chunks hold element 4096 of 'transformer"):
+        ckptstream.export_hf(copy, tmp_path / "hf", buffer_size=4096)
