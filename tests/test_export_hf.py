@@ -239,3 +239,19 @@ def test_the_benchmark_measures_an_export_against_a_save(tmp_path: Path, capsys:
     assert set(rows) == {"export", "export --dtype bf16 (fp32 master)"}
     assert all(len(r["ratio"]) == 2 and r["ratio_median"] > 0 for r in rows.values())
     assert [p.name for p in tmp_path.iterdir()] == ["export.json"]  # its workspace removed
+
+
+def test_shards_are_cut_as_huggingface_hub_cuts_them() -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from ckptstream._export_plan import OutTensor, split
+
+    rng = torch.Generator().manual_seed(3)
+    for limit in (100, 128, 1000):
+        sizes = [int(n) for n in torch.randint(1, 160, (60,), generator=rng)] + [limit, limit, 1, limit - 1, 2 * limit]
+        names = [f"t{i:03d}" for i in range(len(sizes))]
+        state = {name: torch.empty(n, dtype=torch.uint8) for name, n in zip(names, sizes, strict=True)}
+        theirs = split_torch_state_dict_into_shards(state, max_shard_size=limit)
+        ours = split([OutTensor(name, name, torch.uint8, (n,), [], torch.uint8)
+                      for name, n in zip(names, sizes, strict=True)], limit)
+        assert [[t.name for t in shard] for shard in ours] == list(theirs.filename_to_tensors.values())

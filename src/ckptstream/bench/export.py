@@ -40,35 +40,45 @@ def _timed(work: Callable[[], object]) -> float:
 def run(opts: Options, progress: Callable[[str], None], into: dict[str, Any]) -> dict[str, Any]:
     """Measure; fills ``into`` (the report so far) as it goes and returns it."""
     state = build_state(opts.spec, opts.device)
-    weights = state["model"]
-    nbytes = state_nbytes(weights)
+    nbytes = state_nbytes(state["model"])
     into.update({"device": opts.device, "state": opts.spec.summary(), "bytes": nbytes, "repeat": opts.repeat,
                  "staging": opts.staging, "rows": {}})
     work = os.path.join(opts.dir, f"ckptstream-bench-export-{os.getpid()}")
     os.makedirs(work)
     try:
+        _measure(opts, state, work, progress, into)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return into
+
+
+def _measure(opts: Options, state: Any, work: str, progress: Callable[[str], None], into: dict[str, Any]) -> None:
+    weights, nbytes = state["model"], into["bytes"]
+    with ckptstream.settings(**opts.staging):
         source = os.path.join(work, "train.safetensors")
         progress(f"the source: {format_bytes(state_nbytes(state))} training state, saved once")
-        ckptstream.save(state, source, **opts.staging)
+        ckptstream.save(state, source)
         ckptstream.verify(source)  # read once, buffered: in the page cache, as a training run leaves it
         if opts.device == "cuda":
             torch.cuda.synchronize()
         for label, prefix, dtype in ROWS:
             pairs: list[tuple[float, float]] = []
             for i in range(opts.repeat):
-                target, out = os.path.join(work, "save.safetensors"), os.path.join(work, "hf")
-                save_s = _timed(lambda: ckptstream.save(weights, target, checksum=True, **opts.staging))
-                os.remove(target)
-                export_s = _timed(lambda p=prefix, d=dtype: ckptstream.export_hf(  # type: ignore[misc]
-                    source, out, prefix=p, dtype=d, **opts.staging))
-                shutil.rmtree(out)
+                save_s, export_s = _pair(weights, source, work, prefix, dtype)
                 pairs.append((save_s, export_s))
                 progress(f"{label} run {i + 1}/{opts.repeat}: save {nbytes / save_s / 1e9:.2f} GB/s, export "
                          f"{nbytes / export_s / 1e9:.2f} GB/s")
             into["rows"][label] = _figures(pairs, nbytes)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return into
+
+
+def _pair(weights: Any, source: str, work: str, prefix: str, dtype: str | None) -> tuple[float, float]:
+    """One save of ``weights`` and one export of ``source``: their seconds (outputs removed)."""
+    target, out = os.path.join(work, "save.safetensors"), os.path.join(work, "hf")
+    save_s = _timed(lambda: ckptstream.save(weights, target))
+    os.remove(target)
+    export_s = _timed(lambda: ckptstream.export_hf(source, out, prefix=prefix, dtype=dtype))
+    shutil.rmtree(out)
+    return save_s, export_s
 
 
 def _figures(pairs: list[tuple[float, float]], nbytes: int) -> dict[str, Any]:

@@ -189,6 +189,16 @@ def _staging(args: argparse.Namespace) -> dict[str, int]:
     return staging
 
 
+def _repeat(args: argparse.Namespace, spec: StateSpec) -> int:
+    """--repeat, or its default for the run asked for."""
+    if args.training:
+        return args.repeat or 2  # checkpoints per system, each with its own run without one
+    if getattr(args, "export", False):
+        return args.repeat or 5  # run pairs: the disk is noisy, the ratio wants several
+    # one run per figure where runs are long: big states, and the sweep's dozens of configurations
+    return args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
+
+
 def resolve_options(args: argparse.Namespace) -> Options:
     """Options with every default filled in; raises BenchError for impossible requests."""
     size_gib = args.size_gib
@@ -210,13 +220,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
 
         if torch.cuda.device_count() < args.ranks:
             raise BenchError(f"--ranks {args.ranks} needs one GPU per rank; {torch.cuda.device_count()} visible")
-    # one run per figure where runs are long: big states, and the sweep's dozens of configurations
-    if args.training:
-        repeat = args.repeat or 2  # checkpoints per system, each with its own run without one
-    elif getattr(args, "export", False):
-        repeat = args.repeat or 5  # run pairs: the disk is noisy, the ratio wants several
-    else:
-        repeat = args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
+    repeat = _repeat(args, spec)
     if repeat < 1:
         raise BenchError(f"--repeat must be >= 1, got {repeat}")
     if not os.path.isdir(args.dir):
