@@ -121,6 +121,8 @@ def test_bad_arguments_raise_typed_errors_naming_the_source_and_write_nothing(tm
         ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="5XB")
     with pytest.raises(ExportError, match="no name left once the prefix"):
         ckptstream.export_hf(state_file, out, prefix="model.transformer.wte.weight")
+    with pytest.raises(ExportError, match=r"starts with a dot.*\('model\.'\)"):
+        ckptstream.export_hf(state_file, out, prefix="model")
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(ExportError, match=r"bad\.json: holds a JSON list"):
         ckptstream.export_hf(state_file, out, prefix="model.", config=tmp_path / "bad.json")

@@ -209,7 +209,15 @@ def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
 HELP = "write a checkpoint's model as a Hugging Face folder (safetensors shards and index) that from_pretrained loads"
 
 
+EPILOG = ("Tied tensors (the same tensor under two names) are written once, as transformers writes them. The "
+          "files stream through ckptstream's staging buffers; an earlier export in OUT stays whole until the new "
+          "one is complete, and the index (or the single model.safetensors) is written last. Exit status: 0 "
+          "written; 1 the source fails its checksums or does not hold what its metadata says; 2 bad arguments or "
+          "input.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
     add = parser.add_argument
     add("src", help="a checkpoint file, a CheckpointManager directory (its newest complete step) or step folder, or a "
                     "DCP checkpoint's folder (StreamWriter or FileSystemWriter)")

@@ -165,8 +165,9 @@ def strip_prefix(keys: list[str], prefix: str | None, source: str) -> dict[str, 
         raise ExportError(f"{source}: no tensor's name starts with the prefix {prefix!r}; its tensors are "
                           f"{shown or 'none'}" + (" (pass the prefix with its trailing dot, e.g. 'model.')"
                                                   if prefix else ""))
-    bad = [k for k, name in picked.items() if not name or name == "__metadata__"]
+    bad = [k for k, name in picked.items() if not name or name == "__metadata__" or name.startswith(".")]
     if bad:
         raise ExportError(f"{source}: the tensor {bad[0]!r} has no name left once the prefix {prefix!r} is "
-                          "stripped (or the name safetensors reserves); choose a prefix that ends before its names")
+                          "stripped, or one that starts with a dot (or the name safetensors reserves); choose a "
+                          "prefix that ends where the names begin, dot included ('model.')")
     return picked
