@@ -18,6 +18,8 @@ from ._errors import (
     UnsupportedStorageError,
     UnsupportedTypeError,
 )
+from ._export import HFExport, export_hf
+from ._export_plan import ExportError
 from ._load import load, open, read_metadata, verify
 from ._load_into import load_into
 from ._manager import (
@@ -50,6 +52,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DirectIO",
     "DirectoryLockedError",
+    "ExportError",
+    "HFExport",
     "IncompleteCheckpointError",
     "NoCredentialsError",
     "ObjectNotFoundError",
@@ -68,6 +72,7 @@ __all__ = [
     "UnsupportedTypeError",
     "current_settings",
     "device_to_file",
+    "export_hf",
     "file_to_device",
     "check_step",
     "check_steps",
