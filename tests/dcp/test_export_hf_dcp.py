@@ -33,7 +33,9 @@ TESTS = HERE.parent
 def run_job(scenario: str, workdir: Path, world: int = 2, backend: str = "gloo") -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / f"store-{scenario}-{time.monotonic_ns()}"
-    env = worker_env({"PYTHONPATH": f"{SRC}:{HERE}:{TESTS}"})
+    env = worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(TESTS)])  # worker_env's paths, and the tests'
+
     procs = [subprocess.Popen([sys.executable, str(HERE / "hf_worker.py"), scenario, str(rank), str(world),
                                str(workdir), str(store), backend], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in range(world)]
