@@ -6,6 +6,7 @@ refused; on the GPU machine, a checkpoint of CUDA DTensors."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import HERE, SRC, finish_ranks, single_process, worker_env
+from dcp_helpers import HERE, finish_ranks, single_process, worker_env
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckptstream
