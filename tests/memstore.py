@@ -165,9 +165,6 @@ class MemStorage(Storage):
         if any(n.startswith(prefix) for n in [*self.objects, *self.folders]):
             raise OSError(errno.ENOTEMPTY, "the folder holds entries", folder)
         self.folders.discard(folder.rstrip("/"))
-        with self.mutex:  # incomplete uploads under it go with it
-            for sink in [s for s in self.pending.values() if s.name.startswith(prefix)]:
-                del self.pending[sink.id]
 
     def make_folders(self, folder: str) -> None:
         self.folders.add(folder.rstrip("/"))
@@ -181,6 +178,12 @@ class MemStorage(Storage):
             for sink in gone:
                 del self.pending[sink.id]
         return [f"{s.name}#{s.id}" for s in gone]
+
+    def unfinished(self, folder: str) -> list[str]:
+        prefix = folder.rstrip("/") + "/"
+        with self.mutex:
+            names = {s.name[len(prefix) :] for s in self.pending.values() if s.name.startswith(prefix)}
+        return sorted(n for n in names if "/" not in n)
 
     def lock(self, path: str, holder: bytes) -> MemLock:
         """A lock object holding the holder's bytes, as an object store keeps one; a lock of a

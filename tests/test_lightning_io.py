@@ -409,8 +409,9 @@ def test_lazy_hooks_are_gone_after_teardown(tmp_path: Path) -> None:
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": SRC}, check=False)
+                          env={**os.environ, "PYTHONPATH": path}, check=False)
 
 
 def test_import_ckptstream_does_not_import_lightning() -> None:

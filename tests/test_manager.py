@@ -99,6 +99,7 @@ def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> Non
         if done is not None:
             (folder / "DONE").write_text(done)
     (tmp_path / "step-000000000009" / ".state.safetensors.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")
+    (tmp_path / "step-000000000008" / ".DONE.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")  # not this rank's
     (tmp_path / "step-notanumber").mkdir()
     (tmp_path / "step-000000000010").write_text("a file, not a step folder")
     ckpts = ckptstream.CheckpointManager(tmp_path, keep=3)

@@ -32,7 +32,7 @@ def test_paths_are_local_and_urls_go_to_their_scheme(tmp_path: Path, mem: MemSto
     assert storage_for("MEM://space/x") is mem  # schemes are case-insensitive
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/ckpt.safetensors", "gs://b/x", "weird+scheme://x"])
+@pytest.mark.parametrize("url", ["az://bucket/ckpt.safetensors", "gs://b/x", "weird+scheme://x"])
 def test_an_unknown_scheme_is_a_clear_typed_error(url: str, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedStorageError, match="no storage for") as info:
         storage_for(url)
@@ -170,6 +170,7 @@ def test_a_sink_is_visible_only_once_published(storage: tuple[Storage, str]) -> 
         sink.publish()
     assert s.read_small(path, 100) == b"hello world"
     assert [e.name for e in s.list_folder(root)] == ["ckpt.bin"]  # nothing else left
+    assert s.unfinished(root) == []
 
 
 def test_a_source_reads_until_its_end(storage: tuple[Storage, str]) -> None:
@@ -215,12 +216,14 @@ def test_leftovers_of_dead_writers_are_removed(storage: tuple[Storage, str], mem
         with pytest.raises(Crash):
             crashed.write_at(memoryview(b"x"), 0)
         mem.restart()  # a new process: the crashed writer's upload is left pending
+    assert s.unfinished(root) == ["ckpt.bin"]  # named though no file of the name exists
     assert len(s.remove_temps(path)) == 1  # the dead one only
     with s.create(path) as sink:
         sink.write_at(memoryview(b"next"), 0)
     assert s.remove_temps(path) == []
     assert len(s.remove_temps(path, stale_only=False)) == 1  # the live one too, when asked
     live.abandon()
+    assert s.unfinished(root) == []
     assert s.read_small(path, 100) == b"next"
 
 
@@ -263,22 +266,20 @@ def test_a_writer_lock_refuses_every_other_writer_until_closed(storage: tuple[St
     s.lock(path, b"").close()
 
 
-def test_names_and_unfinished_writes(storage: tuple[Storage, str], monkeypatch: pytest.MonkeyPatch,
-                                     tmp_path: Path) -> None:
-    """``absolute`` keeps a URL and anchors a local path; ``temp_of`` names what a local temp is
-    for, and nothing else (an object store's unfinished uploads are no entries)."""
+def test_unfinished_writes_are_no_entries(storage: tuple[Storage, str], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """What an unfinished write left (a local temp, a pending upload) is never listed as an
+    entry: ``unfinished`` names the target it was for. ``absolute`` anchors a local path and
+    keeps a URL as it is."""
     s, root = storage
-    path = s.join(root, "ckpt.bin")
-    sink = s.create(path)
+    s.write_small(s.join(root, "done.bin"), b"done")
+    sink = s.create(s.join(root, "ckpt.bin"))
     sink.write_at(memoryview(b"unfinished"), 0)
-    left = [e.name for e in s.list_folder(root)]
-    assert [s.temp_of(name) for name in left] == (["ckpt.bin"] if s is LOCAL else [])
+    assert s.list_folder(root) == [Entry("done.bin", "file")]
+    assert s.unfinished(root) == ["ckpt.bin"]
     sink.abandon()
-    for name in ("ckpt.bin", ".ckpt.bin", ".ckpt.bin.ckptstream-tmp-", ".ckpt.bin.ckptstream-tmp-x-1-nothex",
-                 "x.ckptstream-tmp-h-1-2-0123456789ab"):
-        assert s.temp_of(name) is None, name
+    assert s.unfinished(root) == []
     if s is LOCAL:
-        assert s.temp_of(".ckpt.bin.ckptstream-tmp-host-name-1-2-0123456789ab") == "ckpt.bin"
         monkeypatch.chdir(tmp_path)
         assert s.absolute("rel/a") == str(tmp_path / "rel" / "a")
     assert s.absolute(root) == root

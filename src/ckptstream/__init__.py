@@ -1,16 +1,25 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
-from ._async import CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
+from ._async import AsyncMode, CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
 from ._engine import release_staging, staging_bytes
 from ._errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
     CkptStreamError,
+    ConnectionLostError,
     CorruptCheckpointError,
+    NoCredentialsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
     StateMismatchError,
     StateMismatchWarning,
+    ThrottledError,
     TruncatedFileError,
     UnsupportedStorageError,
     UnsupportedTypeError,
 )
+from ._export import HFExport, export_hf
+from ._export_plan import ExportError
 from ._load import load, open, read_metadata, verify
 from ._load_into import load_into
 from ._manager import (
@@ -30,16 +39,25 @@ from ._transfer import device_to_file, file_to_device
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncMode",
     "INHERIT",
+    "AccessDeniedError",
+    "BucketNotFoundError",
     "CheckpointManager",
     "CheckpointNotSavedError",
     "CheckpointTimeoutError",
     "CheckpointReader",
     "CkptStreamError",
+    "ConnectionLostError",
     "CorruptCheckpointError",
     "DirectIO",
     "DirectoryLockedError",
+    "ExportError",
+    "HFExport",
     "IncompleteCheckpointError",
+    "NoCredentialsError",
+    "ObjectNotFoundError",
+    "ObjectStoreError",
     "SaveHandle",
     "Settings",
     "SnapshotFallbackWarning",
@@ -48,11 +66,13 @@ __all__ = [
     "StateMismatchWarning",
     "TensorEntry",
     "TensorSlice",
+    "ThrottledError",
     "TruncatedFileError",
     "UnsupportedStorageError",
     "UnsupportedTypeError",
     "current_settings",
     "device_to_file",
+    "export_hf",
     "file_to_device",
     "check_step",
     "check_steps",

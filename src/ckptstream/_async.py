@@ -35,13 +35,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._capture import BY_VALUE_BYTES, MODES, SnapshotFallbackWarning, capture
+from ._capture import BY_VALUE_BYTES, MODES, AsyncMode, SnapshotFallbackWarning, capture
 from ._errors import CkptStreamError
 from ._save import plan_checkpoint, write_checkpoint
 from ._settings import INHERIT, Settings, call_settings
 from ._storage import storage_for
 
-__all__ = ["BY_VALUE_BYTES", "MODES", "CheckpointNotSavedError", "SaveHandle", "SnapshotFallbackWarning",
+__all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "CheckpointNotSavedError", "SaveHandle", "SnapshotFallbackWarning",
            "begin", "in_flight", "save_async", "say"]
 
 Completion = Callable[[BaseException | None], None]
@@ -61,7 +61,7 @@ class SaveHandle:
         step: the step, for saves of a ``CheckpointManager`` (else None).
     """
 
-    def __init__(self, path: str, mode: str, step: int | None = None) -> None:
+    def __init__(self, path: str, mode: AsyncMode, step: int | None = None) -> None:
         self.path, self.mode, self.step = path, mode, step
         self._staged, self._done = threading.Event(), threading.Event()
         self._error: BaseException | None = None
@@ -327,19 +327,20 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
     handle._finish(error)
 
 
-def check_options(mode: str, max_in_flight: int) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+def check_options(mode: AsyncMode | str, max_in_flight: int) -> AsyncMode:
+    """The mode, once both options are checked."""
+    parsed = AsyncMode.parse(mode)
     if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
         raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+    return parsed
 
 
-def begin(state: Any, path: str | os.PathLike[str], *, mode: str, metadata: Mapping[str, str] | None,
+def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, metadata: Mapping[str, str] | None,
           checksum: bool, progress: bool, max_in_flight: int, cfg: Settings, step: int | None = None,
           then: Completion | None = None, stacklevel: int = 3) -> SaveHandle:
     """Start a background save (``save_async``, and the manager's saves, whose ``then`` runs in
     the worker once the file is published or failed: its exception becomes the save's)."""
-    check_options(mode, max_in_flight)
+    mode = check_options(mode, max_in_flight)
     target = storage_for(path).check_target(os.fsdecode(path))
     plan = plan_checkpoint(state, metadata, checksum)  # bad input raises here; leaves captured now
     handle = SaveHandle(target, mode, step)
@@ -365,7 +366,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: str, metadata: Mapp
     return handle
 
 
-def save_async(state: Any, path: str | os.PathLike[str], *, mode: str = "device",
+def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device",
                metadata: Mapping[str, str] | None = None, checksum: bool = True, progress: bool = False,
                max_in_flight: int = 1, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
                io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> SaveHandle:

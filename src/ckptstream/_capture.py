@@ -18,6 +18,7 @@ says when the caller may change the state again:
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
@@ -25,7 +26,29 @@ import torch
 from ._engine import Mark, copyable, mark
 from ._header import empty_tensor
 
-MODES = ("device", "lazy", "host")
+
+class AsyncMode(str, enum.Enum):
+    """What a background save reads (``save_async``, ``CheckpointManager``, ``ckptstream.dcp``'s
+    ``dcp.async_save``): "device" (a snapshot in spare device memory), "lazy" (the live tensors,
+    until ``wait_staged()``) or "host" (a snapshot in host memory). A plain string works too."""
+
+    DEVICE = "device"
+    LAZY = "lazy"
+    HOST = "host"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: object, name: str = "mode") -> AsyncMode:
+        """``value`` as a mode; ValueError naming ``name`` and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+MODES = tuple(m.value for m in AsyncMode)
 BY_VALUE_BYTES = 1 << 20  # "lazy": CPU tensors up to this size are still captured by value
 CPU = torch.device("cpu")
 
@@ -40,7 +63,7 @@ class Captured:
     """The tensors a worker streams and when the state may change."""
 
     tensors: list[torch.Tensor]
-    mode: str  # the mode in effect
+    mode: AsyncMode  # the mode in effect
     after: Mark | None = None  # where the engine's device copies start (device tensors among ``tensors``)
     ready: list[Any] = dataclasses.field(default_factory=list)  # events to wait for before streaming
     staged: bool = True  # the caller may change the state at once
@@ -76,7 +99,7 @@ def _device_snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     return out
 
 
-def _short_memory_message(tensors: list[torch.Tensor]) -> str:
+def _short_memory_message(tensors: list[torch.Tensor], fell_back: bool = True) -> str:
     need: dict[torch.device, int] = {}
     for t in tensors:
         if t.is_cuda:
@@ -89,31 +112,36 @@ def _short_memory_message(tensors: list[torch.Tensor]) -> str:
             parts.append(f"{nbytes / 2**30:.2f} GiB on {device}, {free / 2**30:.2f} GiB free")
         except RuntimeError:  # the message must not fail where the snapshot did
             parts.append(f"{nbytes / 2**30:.2f} GiB on {device}")
-    return ("save_async(mode='device'): too little free GPU memory for the snapshot (" + ", ".join(parts) + "); "
-            "the save streamed from the live tensors instead and returned once they were copied out. Free GPU "
-            "memory, or pick mode='lazy' (and call wait_staged() before changing the state) or mode='host'")
+    what = ("the save streamed from the live tensors instead and returned once they were copied out. "
+            if fell_back else "")
+    return ("mode='device': too little free GPU memory for the snapshot (" + ", ".join(parts) + "); " + what +
+            "Free GPU memory, or pick mode='lazy' (and call wait_staged() before changing the state) or mode='host'")
 
 
-def capture(tensors: list[torch.Tensor], mode: str) -> Captured:
-    """Capture ``tensors`` for a background save in ``mode`` (see the module's docstring)."""
+def capture(tensors: list[torch.Tensor], mode: AsyncMode | str, *, fall_back: bool = True) -> Captured:
+    """Capture ``tensors`` for a background save in ``mode`` (see the module's docstring).
+    Where a device snapshot does not fit, it streams the live tensors instead ("lazy", saying
+    why in ``fallback``), or, without ``fall_back``, raises ``torch.cuda.OutOfMemoryError``
+    saying what to pick instead."""
+    mode = AsyncMode.parse(mode)
     with torch.no_grad():
-        if mode == "device":
+        if mode is AsyncMode.DEVICE:
             snapshot = _device_snapshot(tensors)
             if snapshot is not None:
                 return Captured(snapshot, mode, after=mark(snapshot))
+            if not fall_back:
+                raise torch.cuda.OutOfMemoryError(_short_memory_message(tensors, fell_back=False))
             captured = _lazy(tensors)
             captured.fallback = _short_memory_message(tensors)
             return captured
-        if mode == "lazy":
+        if mode is AsyncMode.LAZY:
             return _lazy(tensors)
-        if mode == "host":
-            return _host(tensors)
-    raise ValueError(f"unknown mode {mode!r}")
+        return _host(tensors)
 
 
 def _lazy(tensors: list[torch.Tensor]) -> Captured:
     live = [_copy(t, CPU) if t.device.type == "cpu" and _nbytes(t) <= BY_VALUE_BYTES else t for t in tensors]
-    return Captured(live, "lazy", after=mark(live), staged=False)
+    return Captured(live, AsyncMode.LAZY, after=mark(live), staged=False)
 
 
 def _host(tensors: list[torch.Tensor]) -> Captured:
@@ -125,4 +153,4 @@ def _host(tensors: list[torch.Tensor]) -> Captured:
         event = torch.cuda.Event(blocking=True)  # it sleeps on it instead of spinning a core
         event.record(torch.cuda.current_stream(device))
         ready.append(event)
-    return Captured(copies, "host", ready=ready)
+    return Captured(copies, AsyncMode.HOST, ready=ready)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class CkptStreamError(Exception):
     """Base of every error raised by ckptstream itself (OS errors propagate as OSError)."""
@@ -34,6 +36,53 @@ class UnsupportedTypeError(CkptStreamError, TypeError):
 class UnsupportedStorageError(CkptStreamError, ValueError):
     """A URL whose scheme names no storage ckptstream has, or a call that needs what its storage
     cannot do (``mmap=True`` on a target that cannot be mapped)."""
+
+
+class ObjectStoreError(CkptStreamError, OSError):
+    """A request to an object store (``s3://`` URLs) failed; ``url`` names the object, ``code`` is the store's
+    error code (None where no answer came)."""
+
+    default_errno = errno.EIO
+
+    def __init__(self, url: str, message: str, code: str | None = None) -> None:
+        super().__init__(self.default_errno, message, url)
+        self.url, self.code = url, code
+
+
+class NoCredentialsError(ObjectStoreError, PermissionError):
+    """No credentials were found in the standard places."""
+
+    default_errno = errno.EACCES
+
+
+class AccessDeniedError(ObjectStoreError, PermissionError):
+    """The store refused the credentials or their permissions."""
+
+    default_errno = errno.EACCES
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The bucket of a URL does not exist."""
+
+    default_errno = errno.ENOENT
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """No object has the key of a URL."""
+
+    default_errno = errno.ENOENT
+
+
+class ThrottledError(ObjectStoreError):
+    """The store kept asking to slow down after every retry."""
+
+    default_errno = errno.EAGAIN
+
+
+class ConnectionLostError(ObjectStoreError, ConnectionError):
+    """The endpoint could not be reached, or a connection broke, after every retry."""
+
+    default_errno = errno.ECONNRESET
 
 
 class StateMismatchWarning(UserWarning):

@@ -13,8 +13,8 @@ exist as regular files with the sizes it records: DONE is published (``write_sma
 files temp, fsync, rename, folder fsync) only once every rank's file is durable, and removed
 first (and that removal made durable) when a step is deleted. Anything else is an incomplete
 step, whatever it holds: ignored by the listing, removed later. The manager removes only the
-files it writes (the names above and what unfinished writes of them left): a folder holding
-anything else stays, with that inside.
+files it writes (the names above, and what unfinished writes of them left: ``Storage.unfinished``,
+``remove_temps``): a folder holding anything else stays, with that inside.
 
 Every access goes through the storage of the directory (``storage_for``), so a manager works on
 any storage: local paths, or URLs of a registered one.
@@ -73,10 +73,8 @@ def ready_name(rank: int) -> str:
     return f"READY-rank-{rank:05d}"
 
 
-def is_manager_file(name: str, storage: Storage) -> bool:
-    """Whether a step folder's entry is one the manager or its ranks write (or what an
-    unfinished write of one left)."""
-    name = storage.temp_of(name) or name
+def is_manager_file(name: str) -> bool:
+    """Whether a step folder's entry is one the manager or its ranks write."""
     if name in (DONE, SINGLE):
         return True
     m = _RANK_FILE.fullmatch(name)
@@ -123,8 +121,9 @@ class StepCheck:
         world_size: the number of ranks DONE records (None where DONE cannot be read).
         files: each rank file's name and size as DONE records them, in rank order (empty where
             DONE cannot be read); the files are in ``folder``.
-        own: the entries of the folder that the manager writes (rank files, markers, temps).
-        foreign: the other entries: the manager never removes them.
+        own: the entries of the folder that the manager writes (rank files, markers).
+        foreign: the other entries: the manager never removes them. (What unfinished writes
+            left is no entry: ``Storage.unfinished``.)
     """
 
     folder: str
@@ -218,8 +217,8 @@ def _check(storage: Storage, folder: str, kind: Kind | None) -> StepCheck:
         entries = {e.name: e for e in storage.list_folder(folder)}
     except OSError as e:
         return StepCheck(folder, step, f"{folder} cannot be read: {e.strerror or e}")
-    own = tuple(sorted(n for n in entries if is_manager_file(n, storage)))
-    foreign = tuple(sorted(n for n in entries if not is_manager_file(n, storage)))
+    own = tuple(sorted(n for n in entries if is_manager_file(n)))
+    foreign = tuple(sorted(n for n in entries if not is_manager_file(n)))
     try:
         done = _read_done(storage, folder, entries, own)
     except Unreadable as e:
@@ -274,7 +273,7 @@ def _against_folder(storage: Storage, folder: str, done: dict[str, Any], step: i
 def _missing_done(storage: Storage, folder: str, entries: dict[str, Entry]) -> str:
     why = ["no DONE marker (its save did not finish, or is still running)"]
     for name, entry in sorted(entries.items()):
-        if name.startswith("FAILED-rank-") and is_manager_file(name, storage):
+        if name.startswith("FAILED-rank-") and is_manager_file(name):
             text = failure_text(storage, folder, entry)
             why.append(f"rank {int(name[len('FAILED-rank-'):])} failed" + (f": {text}" if text else ""))
     return "; ".join(why)
@@ -365,14 +364,17 @@ def remove_step(directory: str, folder: str) -> tuple[str, ...]:
     except FileNotFoundError:
         return ()
     for entry in entries:
-        if entry.name != DONE and entry.kind != "folder" and is_manager_file(entry.name, storage):
+        if entry.name != DONE and entry.kind != "folder" and is_manager_file(entry.name):
             storage.remove(storage.join(folder, entry.name), missing_ok=True)
+    for name in storage.unfinished(folder):  # what unfinished writes of its files left
+        if is_manager_file(name):
+            storage.remove_temps(storage.join(folder, name), stale_only=False)
     try:
         storage.remove_folder(folder)
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-        return tuple(listing(folder))
+        return tuple(sorted({*listing(folder), *storage.unfinished(folder)}))
     storage.sync_folder(directory)
     return ()
 
@@ -386,6 +388,7 @@ def remove_own_leftovers(directory: str, rank: int, world_size: int) -> None:
     mine = {file_name(rank, world_size), failed_name(rank), ready_name(rank)}
     for check in check_steps(directory):
         if not check.complete:
-            for name in check.own:
-                if (storage.temp_of(name) or name) in mine:
-                    storage.remove(storage.join(check.folder, name), missing_ok=True)
+            for name in mine & set(check.own):
+                storage.remove(storage.join(check.folder, name), missing_ok=True)
+            for name in mine & set(storage.unfinished(check.folder)):
+                storage.remove_temps(storage.join(check.folder, name), stale_only=False)

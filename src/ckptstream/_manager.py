@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from . import _layout
-from ._async import SaveHandle, begin, check_options, say
+from ._async import AsyncMode, SaveHandle, begin, check_options, say
 from ._dirlock import DirectoryLockedError
 from ._errors import StateMismatchError
 from ._layout import StepCheck, check_step, check_steps
@@ -89,11 +89,11 @@ class CheckpointManager:
         ...             ckpts.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, mode: str = "device",
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, mode: AsyncMode | str = "device",
                  max_in_flight: int = 1, checksum: bool = True, rank: int | None = None,
                  world_size: int | None = None, timeout: float = 1800.0, buffer_size: Any = INHERIT,
                  num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> None:
-        check_options(mode, max_in_flight)
+        mode = check_options(mode, max_in_flight)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an integer >= 1 or None (keep all), got {keep!r}")
         self._storage = storage_for(directory)
@@ -333,5 +333,5 @@ class CheckpointManager:
                 f"a save failed: {type(e).__name__}: {e}")
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.directory!r}, keep={self.keep}, mode={self.mode!r}, rank={self.rank} of " \
+        return f"CheckpointManager({self.directory!r}, keep={self.keep}, mode='{self.mode}', rank={self.rank} of " \
                f"{self.world_size})"

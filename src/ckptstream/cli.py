@@ -206,6 +206,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            "CheckpointManager directories and step folders, DCP checkpoints' folders)")
     check.add_argument("paths", nargs="+", metavar="path")
     check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
+    from . import _export
+
+    _export.add_arguments(sub.add_parser("export-hf", help=_export.HELP, description=_export.HELP))
     bench = sub.add_parser("bench", help="measure ckptstream against the disk, PCIe and its peers")
     if argv is None or argv[:1] == ["bench"]:
         from . import bench as benchmark
@@ -219,6 +222,10 @@ def _run(args: argparse.Namespace) -> int:
         from . import bench
 
         return bench.run(args)
+    if args.command == "export-hf":
+        from . import _export
+
+        return _export.run(args)
     if args.command == "verify":
         status = 0
         for path in args.paths:

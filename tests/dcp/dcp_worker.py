@@ -151,7 +151,7 @@ def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
         live = {**state, "model": {k: v.clone() for k, v in state["model"].items()},
                 "ints": state["ints"].clone(), "tiny": state["tiny"].clone(), "plain": state["plain"].clone(),
                 "scalar": state["scalar"].clone(), "extra": dict(state["extra"])}
-        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", staging=mode, buffer_size=4096,
+        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", mode=mode, buffer_size=4096,
                                              num_buffers=2)
         future = dcp.async_save(live, storage_writer=writer)
         assert isinstance(future, Future), future  # the writer stages at once: no AsyncSaveResponse

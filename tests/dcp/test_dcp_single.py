@@ -80,12 +80,22 @@ def test_loads_into_another_dtype(tmp_path: Path) -> None:
     assert same_bits(loaded["w"], w.float())
 
 
+def _on(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _on(v, device) for k, v in state.items()}
+    return state
+
+
 @pytest.mark.parametrize("mode", ["device", "lazy", "host"])
-def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str) -> None:
-    state = edge_state()
-    want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
+def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str, device: torch.device) -> None:
+    """Each mode of the one capture, on the CPU and (gpu) on a CUDA device: the state poisoned
+    right after staging (after wait_staged in "lazy" mode), the file equal to a sync save's."""
+    state = _on(edge_state(), device)
+    want = {k: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
     save_1(state, tmp_path / "sync")
-    writer = StreamWriter(tmp_path / "async", staging=mode, **SMALL)
+    writer = StreamWriter(tmp_path / "async", mode=mode, **SMALL)
     future = single_process(dcp.async_save, state, storage_writer=writer)
     if mode == "lazy":
         assert writer.wait_staged(timeout=60)
@@ -103,7 +113,7 @@ def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str) 
 
 def test_writer_and_reader_pickle(tmp_path: Path) -> None:
     """DCP's process executor pickles the writer into another process."""
-    writer = pickle.loads(pickle.dumps(StreamWriter(tmp_path / "ckpt", staging="lazy", **SMALL)))
+    writer = pickle.loads(pickle.dumps(StreamWriter(tmp_path / "ckpt", mode="lazy", **SMALL)))
     assert writer.wait_staged(timeout=0)
     state = {"w": torch.randn(300, 7)}
     single_process(dcp.save, state, storage_writer=writer)
@@ -131,9 +141,15 @@ def test_read_slices_verifies_whole_tensors(tmp_path: Path) -> None:
         assert not same_bits(reader.read_slices([("w", [0], None, "cpu")], checksum=False)[0], w)
 
 
-def test_staging_mode_is_checked() -> None:
-    with pytest.raises(ValueError, match="staging must be one of"):
-        StreamWriter("/nonexistent", staging="pinned")
+def test_the_mode_is_checked_and_staging_is_its_deprecated_name() -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of \['device', 'lazy', 'host'\], got 'pinned'"):
+        StreamWriter("/nonexistent", mode="pinned")
+    with pytest.warns(DeprecationWarning, match=r"staging=\.\.\.\) is deprecated: use mode="):
+        writer = StreamWriter("/nonexistent", staging="lazy")
+    assert writer.mode is ckptstream.AsyncMode.LAZY
+    assert StreamWriter("/nonexistent", mode=ckptstream.AsyncMode.HOST).mode is ckptstream.AsyncMode.HOST
+    with pytest.warns(DeprecationWarning, match="use ckptstream.AsyncMode"):
+        assert ckptstream.dcp.Staging is ckptstream.AsyncMode
 
 
 def test_unsupported_dtype_refused_before_any_file(tmp_path: Path) -> None:

@@ -204,7 +204,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def list_folder(self, folder: str) -> list[Entry]:
-        """The entries of ``folder``, sorted by name; FileNotFoundError where there is none."""
+        """The entries of ``folder``, sorted by name; FileNotFoundError where there is none.
+        What unfinished writes left (a local temp file, an incomplete upload) is no entry:
+        ``unfinished`` names the targets it was for."""
 
     @abc.abstractmethod
     def remove(self, path: str, *, missing_ok: bool = False) -> None:
@@ -216,9 +218,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def remove_folder(self, folder: str) -> None:
-        """Remove the empty folder ``folder``, and what unfinished writes under it left that is
-        no entry (an object store's incomplete uploads); nothing happens where there is none.
-        Raises OSError with errno ENOTEMPTY where it holds entries (they stay)."""
+        """Remove the empty folder ``folder``; nothing happens where there is none. Raises
+        OSError with errno ENOTEMPTY where it holds entries (they stay)."""
 
     @abc.abstractmethod
     def make_folders(self, folder: str) -> None:
@@ -236,6 +237,12 @@ class Storage(abc.ABC):
         writers are certainly gone. Returns what was removed; never raises."""
 
     @abc.abstractmethod
+    def unfinished(self, folder: str) -> list[str]:
+        """The names of the targets in ``folder`` that unfinished writes left something of
+        (what ``remove_temps`` of that name would look at), whether or not a file of the name
+        exists; names too long to be told from their leftovers may be missing. Never raises."""
+
+    @abc.abstractmethod
     def read_small(self, path: str, limit: int) -> bytes:
         """All of the small file ``path`` (a marker, a metadata file): FileNotFoundError where
         there is none, OSError (without blocking) where it is not a file or holds more than
@@ -248,12 +255,6 @@ class Storage(abc.ABC):
         ``holder`` (a few hundred bytes saying who holds it). A holder that dies releases it
         (a lock that outlived its writer would stop every later writer); a forked child does
         not hold its parent's locks. Raises OSError where the lock cannot be made."""
-
-    def temp_of(self, name: str) -> str | None:
-        """Where the folder entry ``name`` is what an unfinished write left (a local temp
-        file), the name that write was for; else None (an object store's unfinished uploads
-        are no entries)."""
-        return None
 
     def absolute(self, path: str) -> str:
         """``path`` in a form that names the same place whatever the working directory (a local

@@ -16,14 +16,18 @@ from collections.abc import Callable
 from .._errors import UnsupportedStorageError
 from .base import Storage
 
+
+def _s3() -> Storage:
+    from .s3 import S3Storage
+
+    return S3Storage()
+
+
 # scheme -> the function that makes its storage, importing its module (and client library) only
-# when called; an object store's implementation adds its line here, e.g.
-#     def _s3() -> Storage:
-#         from .s3 import S3Storage
-#         return S3Storage()
-BUILTIN: dict[str, Callable[[], Storage]] = {}
+# when called
+BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3}
 # what to install for a built-in scheme whose module needs an optional extra (pip install ckptstream[...])
-EXTRAS: dict[str, str] = {}
+EXTRAS: dict[str, str] = {"s3": "s3"}
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _registered: dict[str, Callable[[], Storage]] = {}

@@ -51,8 +51,9 @@ class LocalStorage(Storage):
         return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
 
     def list_folder(self, folder: str) -> list[Entry]:
-        with os.scandir(folder) as it:
-            return sorted((Entry(e.name, _kind(e)) for e in it), key=lambda e: e.name)
+        with os.scandir(folder) as it:  # temps are what unfinished writes left: no entries
+            entries = [Entry(e.name, _kind(e)) for e in it if publish.temp_target(e.name) is None]
+        return sorted(entries, key=lambda e: e.name)
 
     def remove(self, path: str, *, missing_ok: bool = False) -> None:
         try:
@@ -78,6 +79,9 @@ class LocalStorage(Storage):
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         return publish.remove_stale_temps(path, stale_only)
 
+    def unfinished(self, folder: str) -> list[str]:
+        return publish.temps_targets(folder)
+
     def read_small(self, path: str, limit: int) -> bytes:
         fd = fileio.open_path(path, os.O_RDONLY, "opening for reading")
         try:
@@ -94,9 +98,6 @@ class LocalStorage(Storage):
 
     def lock(self, path: str, holder: bytes) -> FileLock:
         return FileLock(path, holder)
-
-    def temp_of(self, name: str) -> str | None:
-        return publish.temp_target(name)
 
     def absolute(self, path: str) -> str:
         return os.path.abspath(path)

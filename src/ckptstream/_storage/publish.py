@@ -71,6 +71,16 @@ def temp_target(entry: str) -> str | None:
     return name if name and _ANY_TAIL.fullmatch(tail) else None
 
 
+def temps_targets(directory: str) -> list[str]:
+    """The names whose temps lie in ``directory`` (not those shortened to fit NAME_MAX)."""
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return []
+    names = {name for e in entries if (name := temp_target(e)) is not None}
+    return sorted(n for n in names if "~" not in n)
+
+
 def remove_stale_temps(path: str, stale_only: bool = True) -> list[str]:
     """Delete the temps of ``path`` whose writers are certainly gone: written on this host, in
     this PID namespace, by a process that no longer exists; or untouched for STALE_AFTER_S

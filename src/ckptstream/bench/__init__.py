@@ -103,6 +103,16 @@ def _report_training(opts: Options, result: dict[str, Any]) -> int:
     return 1 if any("error" in r for r in result["systems"].values()) else 0
 
 
+def _run_export(opts: Options) -> int:
+    from . import export
+
+    runner.check_resources(opts, 3 * opts.spec.nbytes())  # the source, a save and an export at once
+    result = export.run(opts, runner.progress, {})
+    print(export.render(result), flush=True)
+    _outputs(opts, {"schema": 1, "mode": "export", "export": result, "machine": machine_description(opts.dir)}, None)
+    return 0
+
+
 def _outputs(opts: Options, data: dict[str, Any], draw: Callable[[dict[str, Any], str], None] | None) -> None:
     """--json and --plot (matplotlib is imported only here, when a plot is asked for)."""
     if opts.json:
@@ -121,8 +131,14 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         opts = resolve_options(args)
+        if opts.dir.lower().startswith("s3://"):
+            from . import objectstore
+
+            return objectstore.run(opts)
         if opts.training:
             return _run_training(opts)
+        if opts.export:
+            return _run_export(opts)
         return _run_sweep(opts) if opts.sweep else _run_bench(opts)
     except BenchError as e:
         print(f"ckptstream bench: error: {e}", file=sys.stderr)

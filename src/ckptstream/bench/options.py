@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--repeat", type=int,
         help="runs per figure; the median is reported (default 3; 1 for states over 2 GiB and for --sweep; "
              "with --training: checkpoints per system, default 2)")
-    add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there")
+    add("--dir", default=".", help="file system to measure: a temporary folder is made (and removed) there; or "
+        "s3://bucket/prefix: save and load beside the S3 client's own upload and download (pip install "
+        "'ckptstream[s3]'; the endpoint and keys from the standard AWS variables)")
     add("--systems", nargs="+", metavar="NAME",
         help=f"systems to run, of {sorted(SYSTEMS)} (default {' '.join(DEFAULT)}; with --ranks also dcp-stream)")
     add("--variants", nargs="+", metavar="LABEL",
@@ -90,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--training-steps", type=_positive, metavar="N",
                           help="steps timed with and without one checkpoint, per system (default: enough "
                                "for the state written at 0.4 GB/s, from the first system's step time)")
+    parser.add_argument("--export", action="store_true",
+                        help="export_hf of a saved GPT-like state against a plain save of the same bytes, run pairs "
+                             "alternating (--repeat pairs, default 5)")
     sweep = parser.add_argument_group("buffer sweep (--sweep): one large tensor through device_to_file/file_to_device")
     sweep.add_argument("--sweep", action="store_true",
                        help="sweep buffer size x count x I/O threads over one tensor of --size-gib")
@@ -124,6 +129,7 @@ class Options:
     training_steps: int | None = None
     hot_runs: int | None = None  # None: the worker's default
     variants: tuple[str, ...] = ()  # load variants to run, by label; () for all
+    export: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +191,16 @@ def _staging(args: argparse.Namespace) -> dict[str, int]:
     return staging
 
 
+def _repeat(args: argparse.Namespace, spec: StateSpec) -> int:
+    """--repeat, or its default for the run asked for."""
+    if args.training:
+        return args.repeat or 2  # checkpoints per system, each with its own run without one
+    if getattr(args, "export", False):
+        return args.repeat or 5  # run pairs: the disk is noisy, the ratio wants several
+    # one run per figure where runs are long: big states, and the sweep's dozens of configurations
+    return args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
+
+
 def resolve_options(args: argparse.Namespace) -> Options:
     """Options with every default filled in; raises BenchError for impossible requests."""
     size_gib = args.size_gib
@@ -206,14 +222,11 @@ def resolve_options(args: argparse.Namespace) -> Options:
 
         if torch.cuda.device_count() < args.ranks:
             raise BenchError(f"--ranks {args.ranks} needs one GPU per rank; {torch.cuda.device_count()} visible")
-    # one run per figure where runs are long: big states, and the sweep's dozens of configurations
-    if args.training:
-        repeat = args.repeat or 2  # checkpoints per system, each with its own run without one
-    else:
-        repeat = args.repeat or (1 if args.quick or args.sweep or spec.nbytes() * args.ranks > LARGE else 3)
+    repeat = _repeat(args, spec)
     if repeat < 1:
         raise BenchError(f"--repeat must be >= 1, got {repeat}")
-    if not os.path.isdir(args.dir):
+    url = args.dir.lower().startswith("s3://")  # an object store: see bench/objectstore.py
+    if not url and not os.path.isdir(args.dir):
         raise BenchError(f"--dir {args.dir!r} is not a directory")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         raise BenchError("--plot needs matplotlib, which is not installed: pip install 'ckptstream[bench]'")
@@ -225,7 +238,8 @@ def resolve_options(args: argparse.Namespace) -> Options:
         "io_threads": args.sweep_io_threads, "direct_io": args.sweep_direct_io,
     }
     systems = _systems(args.systems, args.ranks)
-    return Options(device, spec, repeat, os.path.abspath(args.dir), systems, args.json,
+    return Options(device, spec, repeat, args.dir if url else os.path.abspath(args.dir), systems, args.json,
                    args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
                    _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None,
-                   args.training_steps, args.hot_runs, _variants(args.variants, systems))
+                   args.training_steps, args.hot_runs, _variants(args.variants, systems),
+                   getattr(args, "export", False))

@@ -49,8 +49,8 @@ def remove_leftovers(directory: str, keep: set[str]) -> None:
     """Remove the rank files of an earlier save that this one does not replace (it had more
     ranks), and the leftovers (temps, uploads) of rank files whose writers are gone."""
     storage = storage_for(directory)
-    found = {e.name for e in storage.list_folder(directory) if is_rank_file(e.name)}
-    for name in sorted(found | keep):
+    names = [e.name for e in storage.list_folder(directory)] + storage.unfinished(directory)
+    for name in sorted({n for n in names if is_rank_file(n)} | keep):
         path = storage.join(directory, name)
         if name not in keep:
             storage.remove(path, missing_ok=True)

@@ -1,14 +1,18 @@
 """What ``dcp.async_save`` saves while training goes on: the staged state dict.
 
-Three modes, the names of ``ckptstream.save_async``:
+The tensors are captured by the one capture of background saves (``ckptstream._capture``, as
+``save_async`` captures them), in its modes:
 - "device": a snapshot on the tensors' own devices (a GPU tensor is cloned on its GPU, a CPU
   tensor in host memory; a DTensor's clone keeps its mesh and placements). The clones are
   queued on the caller's streams, so the caller may change the state as soon as the call
   returns; the writer then streams the clones through its few pinned buffers, so host memory
-  stays bounded by the staging buffers whatever the state's size.
-- "lazy": no copy at all; the writer streams from the live tensors, and the caller waits for
-  ``StreamWriter.wait_staged()`` before changing them (before ``optimizer.step()``).
-- "host": a full host copy (pinned where CUDA tensors are), what DCP's own stager does.
+  stays bounded by the staging buffers whatever the state's size. Where the snapshot does not
+  fit, staging fails (DCP cannot wait for a live read after ``async_save`` returns).
+- "lazy": no copy (CPU tensors of up to 1 MiB excepted); the writer streams from the live
+  tensors, and the caller waits for ``StreamWriter.wait_staged()`` before changing them (before
+  ``optimizer.step()``).
+- "host": a full host copy (pinned where CUDA tensors are), what DCP's own stager does; the
+  writer waits for the copies before reading them.
 In every mode the containers and non-tensor values are copied at the call, so a later change
 to a step counter or a learning rate cannot leak into the checkpoint.
 """
@@ -16,7 +20,6 @@ to a step counter or a learning rate cannot leak into the checkpoint.
 from __future__ import annotations
 
 import copy
-import enum
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -24,26 +27,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-# whether DCP's host-copy helpers (_create_cpu_state_dict, _copy_state_dict) copy DTensors
-_HELPERS_COPY_DTENSORS = torch.__version__ >= "2.7"
+from .._capture import AsyncMode, Captured, capture
 
 
-class Staging(str, enum.Enum):
-    """How ``dcp.async_save`` stages the state (see the module's docstring)."""
-
-    DEVICE = "device"
-    LAZY = "lazy"
-    HOST = "host"
-
-    @classmethod
-    def parse(cls, value: object) -> Staging:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"staging must be one of {[m.value for m in cls]}, got {value!r}") from None
+class _Slot(int):
+    """Where the staged state holds the captured tensor of this index."""
 
 
-def _rebuild(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any]) -> Any:
+def _rebuild(state: Any, tensor: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
     """``state`` with each tensor replaced by ``tensor(t)`` (a tensor met twice, once), the
     containers rebuilt and every other value deep-copied."""
     if isinstance(state, torch.Tensor):
@@ -64,65 +55,47 @@ def _rebuild(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor], memo: d
     return copy.deepcopy(state)
 
 
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+def _fill(node: Any, tensors: list[torch.Tensor]) -> Any:
+    """The rebuilt skeleton with each slot replaced by its tensor."""
+    if isinstance(node, _Slot):
+        return tensors[node]
+    if isinstance(node, dict):
+        return type(node)((k, _fill(v, tensors)) for k, v in node.items())
+    if isinstance(node, list):
+        return [_fill(v, tensors) for v in node]
+    if isinstance(node, tuple):
+        values = [_fill(v, tensors) for v in node]
+        return type(node)(*values) if hasattr(node, "_fields") else tuple(values)
+    return node
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory a save reads: a DTensor's local shard, else the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).detach()
 
 
-def stage(state_dict: dict[str, Any], mode: Staging) -> dict[str, Any]:
-    """The staged copy of ``state_dict`` for ``mode``."""
-    if mode is Staging.HOST:
-        return _host_copy(state_dict)
-    if mode is Staging.LAZY:
-        lazy: dict[str, Any] = _rebuild(state_dict, _keep, {})
-        return lazy
-    try:
-        staged: dict[str, Any] = _rebuild(state_dict, _clone, {})
-    except torch.cuda.OutOfMemoryError as e:
-        raise torch.cuda.OutOfMemoryError(
-            f"staging='device' needs GPU memory for a copy of the state and ran short ({e}); use staging='lazy' "
-            "(no copy: wait for StreamWriter.wait_staged() before changing the state) or staging='host'") from e
-    return staged
+def _like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in the place of ``original``: a DTensor of the same mesh, placements, shape and
+    strides around it, or ``local`` itself."""
+    if not isinstance(getattr(original, "_local_tensor", None), torch.Tensor):
+        return local
+    dtensor: Any = original
+    wrapped: torch.Tensor = type(dtensor).from_local(local, dtensor.device_mesh, dtensor.placements, run_check=False,
+                                                     shape=dtensor.shape, stride=dtensor.stride())
+    return wrapped
 
 
-def _host_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of every tensor in host memory (pinned when the state has CUDA tensors), through
-    DCP's own helpers, which keep each DTensor's mesh and placements."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-    # containers and non-tensor values copied; torch 2.4-2.6's helpers pass a DTensor through
-    # uncopied (the staged state would be the live one), so there each DTensor is copied here
-    plain = _rebuild(state_dict, _keep if _HELPERS_COPY_DTENSORS else _host_dtensor, {})
-    on_cuda = any(t.is_cuda for t in tensors_of(plain))
-    staged: dict[str, Any] = _create_cpu_state_dict(plain, pin_memory=on_cuda)
-    _copy_state_dict(plain, staged, type_check=False)
-    return staged
-
-
-def _host_dtensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's copy in host memory (same mesh and placements); other tensors as they are."""
-    if isinstance(getattr(t, "_local_tensor", None), torch.Tensor):
-        return t.detach().to("cpu", copy=True)
-    return t
-
-
-def tensors_of(state: Any) -> list[torch.Tensor]:
-    """Every tensor in a staged state (a DTensor as its local tensor)."""
+def stage(state_dict: dict[str, Any], mode: AsyncMode) -> tuple[dict[str, Any], Captured]:
+    """The staged copy of ``state_dict`` for ``mode``, and what its capture says (the CUDA
+    ordering point of the captured tensors, the copies to wait for before reading them)."""
     found: list[torch.Tensor] = []
 
-    def visit(node: Any) -> None:
-        if isinstance(node, torch.Tensor):
-            local = getattr(node, "_local_tensor", None)
-            found.append(local if isinstance(local, torch.Tensor) else node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                visit(v)
+    def slot(t: torch.Tensor) -> _Slot:
+        found.append(t)
+        return _Slot(len(found) - 1)
 
-    visit(state)
-    return found
+    skeleton = _rebuild(state_dict, slot, {})
+    captured = capture([_local(t) for t in found], mode, fall_back=False)
+    staged: dict[str, Any] = _fill(skeleton, [_like(t, c) for t, c in zip(found, captured.tensors, strict=True)])
+    return staged, captured

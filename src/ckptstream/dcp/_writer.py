@@ -19,6 +19,7 @@ import dataclasses
 import os
 import threading
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -28,11 +29,11 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .._capture import AsyncMode, Captured
 from .._engine import Mark, mark
 from .._settings import INHERIT, call_settings
 from .._storage import storage_for
 from . import _metadata, _rankfile, _staging
-from ._staging import Staging
 
 
 class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
@@ -43,9 +44,11 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     Args:
         path: the checkpoint's directory (created if missing); ``dcp.save(...,
             checkpoint_id=...)`` replaces it.
-        staging: how ``dcp.async_save`` stages the state: "device" (default: a snapshot on the
-            tensors' own devices), "lazy" (no copy; call ``wait_staged()`` before changing the
-            state) or "host" (a full host copy, as DCP's own stager). Unused by ``dcp.save``.
+        mode: what ``dcp.async_save`` saves in the background (``ckptstream.AsyncMode``, the
+            modes of ``save_async``): "device" (default: a snapshot on the tensors' own
+            devices), "lazy" (no copy; call ``wait_staged()`` before changing the state) or
+            "host" (a full host copy, as DCP's own stager). Unused by ``dcp.save``.
+            (``staging=`` is its deprecated name.)
         checksum: store a CRC-32C of every chunk (``StreamReader`` verifies chunks read whole).
         buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
             (those in force when the writer is made) for this writer's transfers.
@@ -56,12 +59,16 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False  # DCP need not wait: see wait_staged()
 
-    def __init__(self, path: str | os.PathLike[str], *, staging: str = "device", checksum: bool = True,
+    def __init__(self, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device", checksum: bool = True,
                  buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
-                 direct_io: Any = INHERIT) -> None:
+                 direct_io: Any = INHERIT, staging: AsyncMode | str | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
-        self.staging = Staging.parse(staging)
+        if staging is not None:
+            warnings.warn("StreamWriter(staging=...) is deprecated: use mode=... (the same values, the modes of "
+                          "save_async)", DeprecationWarning, stacklevel=2)
+            mode = staging
+        self.mode = AsyncMode.parse(mode)
         self.checksum = checksum
         self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
                            direct_io=direct_io)
@@ -71,7 +78,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self.save_id = str(uuid.uuid4())
         self._staged = threading.Event()
         self._staged.set()
-        self._mark: tuple[int, Mark] | None = None  # (staging thread, ordering point) of the last stage()
+        self._captured: tuple[int, Captured] | None = None  # (staging thread, capture) of the last stage()
 
     # --- planning ------------------------------------------------------------------------
 
@@ -129,20 +136,26 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         rank_file = _rankfile.RankFile.plan(name, items, {i: b.numel() for i, b in blobs.items()}, self.checksum)
         tensors = [blobs[i] if i in blobs else _rankfile.chunk_tensor(planner.resolve_data(items[i]), items[i])
                    for i in rank_file.item_of]
-        chunks = rank_file.write(self.path, tensors, self.cfg, after=self._ordering(tensors),
-                                 copied=self._staged.set)
+        after = self._ordering(tensors)
+        chunks = rank_file.write(self.path, tensors, self.cfg, after=after, copied=self._staged.set)
         return [WriteResult(index=items[i].index, size_in_bytes=chunk.length, storage_data=chunk)
                 for i, chunk in zip(rank_file.item_of, chunks, strict=True)]
 
     def _ordering(self, tensors: list[torch.Tensor]) -> Mark | None:
         """The point of the CUDA streams that the copies follow: in an async save, the one
-        taken when the state was staged, in the caller's thread (this one runs in DCP's);
-        otherwise None: the engine takes this thread's current streams."""
-        staged, self._mark = self._mark, None
-        if staged is None or staged[0] == threading.get_ident():
+        taken when the state was staged, in the caller's thread (this one runs in DCP's), once
+        a host snapshot's copies are done; otherwise None: the engine takes this thread's
+        current streams."""
+        staged, self._captured = self._captured, None
+        if staged is None:
+            return None
+        thread, captured = staged
+        for event in captured.ready:  # the host snapshot's copies, before the engine reads it
+            event.synchronize()
+        if thread == threading.get_ident() or captured.after is None:
             return None
         after = mark(tensors)  # devices the snapshot did not hold (a planner's own tensors)
-        after.update(staged[1])
+        after.update(captured.after)
         return after
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -164,18 +177,16 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     # --- async staging -------------------------------------------------------------------
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The state dict that ``dcp.async_save`` saves in the background (see ``staging``)."""
-        if self.staging is Staging.LAZY:
+        """The state dict that ``dcp.async_save`` saves in the background (see ``mode``)."""
+        staged, captured = _staging.stage(state_dict, self.mode)
+        if not captured.staged:
             self._staged.clear()
-        staged = _staging.stage(state_dict, self.staging)
-        # host copies are complete already; device ones are queued on the caller's streams
-        tensors = [] if self.staging is Staging.HOST else _staging.tensors_of(staged)
-        self._mark = threading.get_ident(), mark(tensors)
+        self._captured = threading.get_ident(), captured
         return staged
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Wait until the state given to ``dcp.async_save`` may change: at once with "device"
-        and "host" staging; with "lazy", once this rank's write has copied every tensor's bytes
+        and "host" modes; with "lazy", once this rank's write has copied every tensor's bytes
         out (or failed). Returns False if ``timeout`` seconds passed first. A save that fails
         before it writes (in DCP's planning) does not get here: its future holds the error."""
         return self._staged.wait(timeout)
@@ -190,7 +201,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         """DCP's process executor pickles the writer: without its event and CUDA ordering point,
         which belong to this process."""
         state = dict(self.__dict__)
-        state["_staged"], state["_mark"] = None, None
+        state["_staged"], state["_captured"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,406 @@
+"""S3-compatible object stores as a storage: ``s3://bucket/key`` URLs.
+
+Objects are written as multipart uploads from the staging buffers (``s3upload``) and read with
+ranged GETs, one per chunk, straight into the staging buffers, from as many threads as the
+transfer has. Folders are key prefixes ending in "/": making one is a no-op, and one exists
+while an object lies under it. Every failed request raises a typed error naming the URL
+(``s3client``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import http.client
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from .._errors import BucketNotFoundError, ConnectionLostError, ObjectNotFoundError, ObjectStoreError
+from .._settings import DirectIO
+from . import s3client, s3journal
+from .base import Entry, Kind, Lock, Source, Storage
+from .s3client import S3Url
+from .s3upload import MultipartSink
+
+# an upload untouched for this long is aborted by the next writer of its key, whoever started it
+# (a live writer uploads a part at least every few minutes); as local temps
+STALE_AFTER = datetime.timedelta(hours=24)
+_DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
+
+
+class S3Source(Source):
+    """An object opened for reading: its size and ETag are taken once (one HEAD), and every
+    read asks for that version (If-Match), so an object replaced meanwhile fails the read
+    instead of mixing two versions."""
+
+    def __init__(self, url: S3Url) -> None:
+        self.url, self.name = url, str(url)
+        self._client = s3client.client()
+        head = _head(self._client, url, "opening the object")
+        self._size: int = head["ContentLength"]
+        self._etag: str | None = head.get("ETag") or None
+
+    def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
+        if direct_io is DirectIO.ON:
+            raise ValueError(f"{self.name}: direct_io='on' is for local files; an object store takes 'auto' or 'off'")
+        return 1
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        return self.readv_into([view], offset)
+
+    def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
+        """One ranged GET for all of ``views``' bytes (those the object has), streamed into them
+        in turn."""
+        want = min(sum(len(v) for v in views), max(0, self._size - offset))
+        if want <= 0:
+            return 0
+        targets, left = [], want
+        for view in views:
+            if left <= 0:
+                break
+            if len(view):
+                targets.append(view[:left])
+                left -= len(targets[-1])
+        self._get(targets, offset, want)
+        return want
+
+    def _get(self, views: list[memoryview], offset: int, want: int) -> None:
+        """Fill ``views`` (``want`` bytes in all) from ``offset``; a connection that breaks while
+        the body streams is asked again for the rest (botocore retries only the request itself),
+        a bounded number of times."""
+        got, failures, at, into = 0, 0, 0, 0  # bytes done; the view being filled, and how far
+        while got < want:
+            lo, hi = offset + got, offset + want
+            what = f"reading bytes {lo}..{hi}"
+            kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key, "Range": f"bytes={lo}-{hi - 1}"}
+            if self._etag is not None:
+                kwargs["IfMatch"] = self._etag
+            try:
+                response = self._client.get_object(**kwargs)
+                if response["ContentLength"] != hi - lo:  # a server that ignored the range sent it all
+                    raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
+                                           f"bytes, not {hi - lo}; it does not serve byte ranges")
+                body = response["Body"]
+                readinto, done = _reader(body)
+                try:
+                    while got < want and (n := readinto(views[at][into:])):
+                        got, into = got + n, into + n
+                        if into == len(views[at]):
+                            at, into = at + 1, 0
+                finally:
+                    done(got == want)
+                if got == want:
+                    return
+                cause: Exception = ConnectionError(f"the body ended {hi - lo - (offset + got - lo)} bytes early")
+            except ObjectStoreError:
+                raise
+            except Exception as e:
+                typed = s3client.error(e, self.url, what)
+                if getattr(typed, "code", None) in ("PreconditionFailed", "412"):
+                    raise ObjectStoreError(self.name, "the object was replaced while it was read; open it again",
+                                           "PreconditionFailed") from e
+                if not isinstance(typed, ConnectionLostError):
+                    raise typed from e
+                cause = e
+            failures += 1
+            if failures >= s3client.DEFAULT_ATTEMPTS:
+                raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
+                                                   f"the body streamed ({cause})") from cause
+
+    def close(self) -> None:
+        pass
+
+
+class S3Storage(Storage):
+    """``s3://bucket/key`` URLs on the endpoint the standard AWS configuration names."""
+
+    def __init__(self) -> None:
+        import boto3  # noqa: F401  (made at the first s3:// URL: without boto3, that URL says what to install)
+
+    def open(self, path: str) -> S3Source:
+        url = self._object(path)
+        try:
+            return S3Source(url)
+        except ObjectNotFoundError:
+            if self._has_children(url):
+                raise IsADirectoryError(errno.EISDIR, "is a folder (a prefix of objects); give the URL of an object",
+                                        path) from None
+            raise
+
+    def create(self, path: str) -> MultipartSink:
+        url = self._object(path)
+        self.check_target(path)
+        self.remove_temps(path)
+        return MultipartSink(url)
+
+    def check_target(self, path: str) -> str:
+        """The URL, once its bucket answers and its key is not a folder (a prefix objects lie
+        under, as the manager's step folders are): one HEAD and one LIST."""
+        url = self._object(path)
+        check_bucket(s3client.client(), url)
+        if self._has_children(url):
+            raise IsADirectoryError(errno.EISDIR, "is a folder (a prefix of objects); give the URL of an object in it",
+                                    path)
+        return str(url)
+
+    def size(self, path: str) -> int:
+        url = self._object(path)
+        return int(_head(s3client.client(), url, "looking at the object")["ContentLength"])
+
+    def exists(self, path: str) -> bool:
+        url = s3client.parse(path)
+        if url.key and not url.key.endswith("/"):
+            try:
+                _head(s3client.client(), url, "looking at the object")
+                return True
+            except ObjectNotFoundError:
+                pass
+        return self._has_children(url)
+
+    def kind(self, path: str) -> Kind | None:
+        """"file" for an object (one HEAD), else "folder" where objects lie under the prefix (one
+        LIST), else None: a folder made and left empty is none here."""
+        url = s3client.parse(path)
+        if url.key and not url.key.endswith("/"):
+            try:
+                _head(s3client.client(), url, "looking at the object")
+                return "file"
+            except ObjectNotFoundError:
+                pass
+        return "folder" if self._has_children(url) else None
+
+    def list_folder(self, folder: str) -> list[Entry]:
+        url = s3client.parse(folder)
+        prefix = _prefix(url.key)
+        entries = []
+        for page in self._pages(url, "listing the folder", Prefix=prefix, Delimiter="/"):
+            entries += [Entry(o["Key"][len(prefix) :], "file") for o in page.get("Contents", ())
+                        if o["Key"] != prefix]
+            entries += [Entry(p["Prefix"][len(prefix) :].rstrip("/"), "folder") for p in page.get("CommonPrefixes", ())]
+        # a prefix nothing lies under lists empty: a store cannot tell a folder made and left empty
+        # (make_folders makes nothing) from none, and callers make folders before they list them
+        return sorted(entries, key=lambda e: e.name)
+
+    def remove(self, path: str, *, missing_ok: bool = False) -> None:
+        url = self._object(path)
+        client = s3client.client()
+        if not missing_ok:
+            _head(client, url, "looking at the object to remove")  # S3 deletes a missing key without a word
+        try:
+            client.delete_object(Bucket=url.bucket, Key=url.key)
+        except Exception as e:
+            raise s3client.error(e, url, "removing the object") from e
+
+    def remove_tree(self, folder: str) -> None:
+        """Every object under the prefix, and every upload still open under it."""
+        url = s3client.parse(folder)
+        prefix = _prefix(url.key)
+        client = s3client.client()
+        keys = [o["Key"] for page in self._pages(url, "listing the folder to remove", Prefix=prefix)
+                for o in page.get("Contents", ())]
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
+            try:
+                answer = client.delete_objects(Bucket=url.bucket, Delete={"Objects": batch, "Quiet": True})
+            except Exception as e:
+                raise s3client.error(e, url, f"removing {len(batch)} objects") from e
+            if answer.get("Errors"):
+                first = answer["Errors"][0]
+                raise ObjectStoreError(str(url.child(first.get("Key", prefix))), f"removing the folder failed for "
+                                       f"{len(answer['Errors'])} objects ({first.get('Code')}: {first.get('Message')})")
+        for upload in self._uploads(url.child(prefix), exact=False):
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+    def remove_folder(self, folder: str) -> None:
+        """Nothing to remove (a prefix is no object), once nothing lies under it."""
+        if self._has_children(s3client.parse(folder)):
+            raise OSError(errno.ENOTEMPTY, "objects lie under the folder (a prefix); they stay", folder)
+
+    def make_folders(self, folder: str) -> None:
+        s3client.parse(folder)  # a prefix exists while objects lie under it: nothing to make
+
+    def sync_folder(self, folder: str) -> None:
+        pass  # a completed upload, a PUT or a DELETE is durable once answered
+
+    def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
+        """Abort the incomplete uploads of the key: with ``stale_only``, those whose writers were on
+        this host and are gone (the journal), or untouched for STALE_AFTER; this process's
+        uploads in flight are never touched. Returns the upload ids aborted; never raises."""
+        try:
+            url = self._object(path)
+            client = s3client.client()
+            live = MultipartSink.live_uploads()
+            dead = s3journal.dead_writers(url.bucket, url.key, live)
+            now = datetime.datetime.now(datetime.timezone.utc)
+            removed = []
+            for upload in self._uploads(url, exact=True):
+                upload_id = upload["UploadId"]
+                if upload_id in live:
+                    continue
+                if stale_only and upload_id not in dead and now - self._touched(client, url, upload) < STALE_AFTER:
+                    continue
+                with contextlib.suppress(Exception):
+                    client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
+                    removed.append(upload_id)
+                s3journal.forget(url.bucket, url.key, upload_id)
+            return removed
+        except Exception:
+            return []
+
+    def unfinished(self, folder: str) -> list[str]:
+        """The names directly under the prefix with incomplete uploads (one LIST of uploads)."""
+        try:
+            url = s3client.parse(folder)
+            prefix = _prefix(url.key)
+            keys = {u["Key"][len(prefix) :] for u in self._uploads(url.child(prefix), exact=False)}
+        except Exception:
+            return []
+        return sorted(k for k in keys if k and "/" not in k)
+
+    def lock(self, path: str, holder: bytes) -> Lock:
+        """No lock: S3 has none that its holder's death releases (a lock object that a killed
+        writer left would refuse every later writer until someone removed it by hand; a lease
+        renewed by a thread, taken over once expired, is the way to one). So two managers that
+        write one prefix as the same rank are not refused here: each replaces the other's files."""
+        self._object(path)
+        return _NoLock()
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        url = self._object(path)
+        client = s3client.client()
+        try:
+            response = client.get_object(Bucket=url.bucket, Key=url.key)
+        except Exception as e:
+            raise s3client.error(e, url, "reading the object") from e
+        body = response["Body"]
+        try:
+            if response["ContentLength"] > limit:
+                raise OSError(errno.EFBIG, f"holds {response['ContentLength']} bytes, more than the {limit} expected "
+                              "of it", path)
+            try:
+                data: bytes = body.read()
+            except Exception as e:
+                raise s3client.error(e, url, "reading the object") from e
+        finally:
+            body.close()
+        return data
+
+    def write_small(self, path: str, data: bytes) -> None:
+        """One PUT: S3 makes a new object visible whole or not at all."""
+        sink = MultipartSink(self._object(path))
+        with sink:
+            sink.write_at(memoryview(data), 0)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _object(path: str) -> S3Url:
+        url = s3client.parse(path)
+        if not url.key or url.key.endswith("/"):
+            raise IsADirectoryError(errno.EISDIR, "names a folder (a prefix); give the URL of an object "
+                                    "(s3://bucket/key)", path)
+        return url
+
+    def _has_children(self, url: S3Url) -> bool:
+        page = next(self._pages(url, "listing the folder", Prefix=_prefix(url.key), MaxKeys=1), {})
+        return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
+
+    @staticmethod
+    def _pages(url: S3Url, what: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        client = s3client.client()
+        token: str | None = None
+        while True:
+            args = dict(kwargs, Bucket=url.bucket, **({"ContinuationToken": token} if token else {}))
+            try:
+                page: dict[str, Any] = client.list_objects_v2(**args)
+            except Exception as e:
+                raise s3client.error(e, url, what) from e
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token or "MaxKeys" in kwargs:
+                return
+
+    @staticmethod
+    def _uploads(url: S3Url, *, exact: bool) -> Iterator[dict[str, Any]]:
+        """The incomplete uploads of the key (``exact``), or of every key under the prefix."""
+        client = s3client.client()
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, **markers)
+            except Exception as e:
+                typed = s3client.error(e, url, "listing incomplete uploads")
+                if getattr(typed, "code", None) == "NoSuchUpload":
+                    return  # some servers answer so for a bucket that never had an upload
+                raise typed from e
+            yield from (u for u in page.get("Uploads", ()) if not exact or u["Key"] == url.key)
+            if not page.get("IsTruncated"):
+                return
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    @staticmethod
+    def _touched(client: Any, url: S3Url, upload: dict[str, Any]) -> datetime.datetime:
+        """When the upload last changed: its newest part, or its start."""
+        last: datetime.datetime = upload["Initiated"]
+        with contextlib.suppress(Exception):
+            parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
+            last = max([last, *(p["LastModified"] for p in parts)])
+        return last
+
+
+class _NoLock(Lock):
+    """``S3Storage.lock``'s: holds nothing."""
+
+    def close(self) -> None:
+        pass
+
+
+def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
+    """How to read a GET's body straight into a buffer, and how to let it go (given whether it
+    was read to its end). http.client's own readinto fills the buffer in place; botocore's
+    (through urllib3) reads a bytes object and copies it: the former where the layers under
+    botocore are the ones known, the latter otherwise."""
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse) and callable(getattr(raw, "release_conn", None)):
+
+        def done(whole: bool) -> None:
+            if whole and fp.isclosed():  # read to its Content-Length: the connection serves the next request
+                raw.release_conn()
+            else:
+                body.close()
+
+        return fp.readinto, done
+    return body.readinto, lambda whole: body.close()
+
+
+def _prefix(key: str) -> str:
+    return key if not key or key.endswith("/") else key + "/"
+
+
+def _head(client: Any, url: S3Url, what: str) -> dict[str, Any]:
+    try:
+        head: dict[str, Any] = client.head_object(Bucket=url.bucket, Key=url.key)
+        return head
+    except Exception as e:
+        typed = s3client.error(e, url, what)
+        if isinstance(typed, ObjectNotFoundError):
+            check_bucket(client, url)  # HEAD answers a bare 404: a missing bucket is told apart
+        raise typed from e
+
+
+def check_bucket(client: Any, url: S3Url) -> None:
+    """Raise the typed error of a bucket that cannot be used (missing, denied, unreachable)."""
+    try:
+        client.head_bucket(Bucket=url.bucket)
+    except Exception as e:
+        typed = s3client.error(e, url, "looking at the bucket")
+        if isinstance(typed, ObjectNotFoundError):
+            typed = BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it "
+                                                 "first, or check the URL and AWS_ENDPOINT_URL", "NoSuchBucket")
+        raise typed from e

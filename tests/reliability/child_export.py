@@ -1,0 +1,76 @@
+"""Child of test_export_memory.py and test_export_interrupt.py.
+
+    child_export.py memory SRC OUT CAST    peak RSS growth of one export_hf of SRC (CAST: "none" or
+                                           "bf16"); prints one JSON line: growth, staging, the
+                                           largest tensor's bytes
+    child_export.py kill SRC OUT POINT     export_hf that prints "ready" and waits for its kill at
+                                           POINT: "stream" (the 2nd shard's data is streaming) or
+                                           "publish" (the 1st shard is renamed in, the 2nd is not)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any
+
+import ckptstream
+from ckptstream import _export_copy
+from ckptstream._storage import files
+
+SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}
+
+
+def ready_and_wait() -> None:
+    print("ready", flush=True)
+    threading.Event().wait()  # until the parent's SIGKILL
+
+
+def kill_at(point: str) -> None:
+    calls = {"move": 0, "run": 0, "publish": 0}
+    lock = threading.Lock()
+    run, move, publish = _export_copy.Copier.run, _export_copy.Copier._move, files.AtomicSink.publish
+
+    def counted_run(self: Any) -> Any:
+        calls["run"] += 1
+        return run(self)
+
+    def counted_move(self: Any, *args: Any) -> Any:
+        with lock:
+            stop = point == "stream" and calls["run"] == 2
+        if stop:
+            ready_and_wait()
+        return move(self, *args)
+
+    def counted_publish(self: Any) -> Any:
+        calls["publish"] += 1
+        if point == "publish" and calls["publish"] == 2:
+            ready_and_wait()
+        return publish(self)
+
+    _export_copy.Copier.run = counted_run  # type: ignore[method-assign]
+    _export_copy.Copier._move = counted_move  # type: ignore[method-assign,assignment]
+    files.AtomicSink.publish = counted_publish  # type: ignore[method-assign]
+
+
+def main() -> int:
+    what, src, out, arg = sys.argv[1:5]
+    if what == "kill":
+        kill_at(arg)
+        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", buffer_size=8192, num_buffers=2)
+        print("finished", flush=True)
+        return 0
+    from child_memory import Peak
+
+    with ckptstream.open(src) as reader:
+        largest = max(e.nbytes for e in reader.entries())
+    with Peak() as peak:
+        ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, **SETTINGS)
+        staging = ckptstream.staging_bytes()
+    print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "largest": largest}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

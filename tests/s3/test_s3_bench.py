@@ -1,0 +1,28 @@
+"""``ckptstream bench --dir s3://...`` against the real server: the raw client's upload and
+download beside save and load, a JSON of the figures, nothing left in the bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from s3util import Bucket, s3, s3_server  # noqa: F401
+
+
+def test_bench_on_an_object_store(s3: Bucket, tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    s3.put("runs/keep", b"the user's")
+    run = subprocess.run([sys.executable, "-m", "ckptstream.cli", "bench", "--dir", s3.url("runs"), "--quick",
+                          "--device", "cpu", "--json", str(out)], env={**os.environ, "PYTHONPATH": "src"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(out.read_text())
+    assert set(figures["median_gbps"]) == {"upload (raw client)", "save", "download (raw client)", "load"}
+    assert all(v > 0 for v in figures["median_gbps"].values())
+    assert set(figures["ratio"]) == {"save", "load"}
+    assert "save / raw upload" in run.stdout
+    assert s3.keys() == ["runs/keep"]  # its own prefix removed, nothing else touched
+    assert s3.uploads() == []
