@@ -234,11 +234,11 @@ def _check(storage: Storage, folder: str, kind: Kind | None) -> StepCheck:
 def _read_done(storage: Storage, folder: str, entries: dict[str, Entry], own: tuple[str, ...]) -> dict[str, Any]:
     rank_files = sum(1 for n in own if n == SINGLE or _RANK_FILE.fullmatch(n))
     entry = entries.get(DONE)
+    if entry is None:
+        raise Unreadable(_missing_done(storage, folder, entries))
     try:
-        if entry is None:
-            raise FileNotFoundError(errno.ENOENT, "no DONE")
         return parse_done(read_marker(storage, folder, entry, DONE_BYTES * (1 + rank_files)))
-    except FileNotFoundError:
+    except FileNotFoundError:  # removed since the listing
         raise Unreadable(_missing_done(storage, folder, entries)) from None
     except ValueError as e:
         raise Unreadable(f"DONE is malformed: {e}") from e
