@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptstream._settings import DirectIO
-from ckptstream._storage import Entry, Sink, Source, Storage
+from ckptstream._storage import Entry, Kind, Lock, LockHeldError, Sink, Source, Storage
 
 Step = Literal["write", "read", "publish"]
 
@@ -48,7 +48,7 @@ class Faults:
     fail_read: int | None = None  # this read_into raises ``error``
     error: Callable[[str], BaseException] = eio
     reads_end_at: int | None = None  # reads see every object end here (sizes do not)
-    fail_publish: bool = False  # publish raises ``error``, nothing becomes visible
+    fail_publish: bool | str = False  # publish raises ``error``, nothing becomes visible (a str: of names ending so)
     crash: tuple[Step, int] | None = None  # ("write", 3): the process dies in the third write
 
 
@@ -63,18 +63,19 @@ class MemStorage(Storage):
         self.grid = grid
         self.calls: dict[str, int] = {}  # operations made, by name
         self.reads: list[tuple[int, int]] = []  # (offset, length) of every read, in order
-        self.lock = threading.Lock()
+        self.mutex = threading.Lock()
         self._ids = itertools.count()
         self._writes = itertools.count(1)
         self._reads = itertools.count(1)
         self.dead = False  # a Crash happened: the sinks of the dead process do nothing more
         self.process = 0  # the writing process: sinks belong to the one that made them
         self.gone: set[int] = set()  # processes that crashed
+        self.locks: dict[str, MemLock] = {}  # writer locks held, by name
 
     # --- faults -----------------------------------------------------------------------------
 
     def count(self, op: str) -> None:
-        with self.lock:
+        with self.mutex:
             self.calls[op] = self.calls.get(op, 0) + 1
 
     def step(self, op: Step, name: str) -> None:
@@ -85,8 +86,9 @@ class MemStorage(Storage):
         if f.crash == (op, n):
             self.dead = True
             raise Crash(f"crashed in {op} {n} of {name}")
+        publish_fails = f.fail_publish is True or (isinstance(f.fail_publish, str) and name.endswith(f.fail_publish))
         if (op == "write" and f.fail_write == n) or (op == "read" and f.fail_read == n) or (
-                op == "publish" and f.fail_publish):
+                op == "publish" and publish_fails):
             raise f.error(name)
 
     def restart(self) -> None:
@@ -115,7 +117,7 @@ class MemStorage(Storage):
         self.check_target(path)
         self.remove_temps(path)
         sink = MemSink(self, path, next(self._ids))
-        with self.lock:
+        with self.mutex:
             self.pending[sink.id] = sink
         return sink
 
@@ -131,6 +133,11 @@ class MemStorage(Storage):
 
     def exists(self, path: str) -> bool:
         return path in self.objects or self._is_folder(path)
+
+    def kind(self, path: str) -> Kind | None:
+        if path in self.objects:
+            return "file"
+        return "folder" if self._is_folder(path) else None
 
     def list_folder(self, folder: str) -> list[Entry]:
         prefix = folder.rstrip("/") + "/"
@@ -153,6 +160,12 @@ class MemStorage(Storage):
             del self.objects[name]
         self.folders = {f for f in self.folders if f != folder.rstrip("/") and not f.startswith(prefix)}
 
+    def remove_folder(self, folder: str) -> None:
+        prefix = folder.rstrip("/") + "/"
+        if any(n.startswith(prefix) for n in [*self.objects, *self.folders]):
+            raise OSError(errno.ENOTEMPTY, "the folder holds entries", folder)
+        self.folders.discard(folder.rstrip("/"))
+
     def make_folders(self, folder: str) -> None:
         self.folders.add(folder.rstrip("/"))
 
@@ -160,7 +173,7 @@ class MemStorage(Storage):
         self.count("sync_folder")  # names are atomic here: nothing to do
 
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
-        with self.lock:
+        with self.mutex:
             gone = [s for s in self.pending.values() if s.name == path and (s.process in self.gone or not stale_only)]
             for sink in gone:
                 del self.pending[sink.id]
@@ -168,9 +181,21 @@ class MemStorage(Storage):
 
     def unfinished(self, folder: str) -> list[str]:
         prefix = folder.rstrip("/") + "/"
-        with self.lock:
+        with self.mutex:
             names = {s.name[len(prefix) :] for s in self.pending.values() if s.name.startswith(prefix)}
         return sorted(n for n in names if "/" not in n)
+
+    def lock(self, path: str, holder: bytes) -> MemLock:
+        """A lock object holding the holder's bytes, as an object store keeps one; a lock of a
+        process that crashed (``restart``) is free, as the kernel frees a dead process's."""
+        self.count("lock")
+        with self.mutex:
+            held = self.locks.get(path)
+            if held is not None and held.process not in self.gone:
+                raise LockHeldError(path, self.objects.get(path, b""))
+            lock = self.locks[path] = MemLock(self, path)
+            self.objects[path] = holder
+        return lock
 
     def read_small(self, path: str, limit: int) -> bytes:
         with self.open(path) as source:
@@ -181,6 +206,19 @@ class MemStorage(Storage):
     def _is_folder(self, path: str) -> bool:
         prefix = path.rstrip("/") + "/"
         return path.rstrip("/") in self.folders or any(n.startswith(prefix) for n in self.objects)
+
+
+class MemLock(Lock):
+    """A writer lock of a ``MemStorage``: its object lives while the lock is held."""
+
+    def __init__(self, store: MemStorage, name: str) -> None:
+        self.store, self.name, self.process = store, name, store.process
+
+    def close(self) -> None:
+        with self.store.mutex:
+            if self.store.locks.get(self.name) is self:
+                del self.store.locks[self.name]
+                self.store.objects.pop(self.name, None)
 
 
 class MemSink(Sink):
@@ -220,7 +258,7 @@ class MemSink(Sink):
         except BaseException:
             self.abandon()
             raise
-        with self.store.lock:
+        with self.store.mutex:
             self.store.objects[self.name] = bytes(self.data)
             self.store.pending.pop(self.id, None)
         self.state = "published"
@@ -229,7 +267,7 @@ class MemSink(Sink):
         if self.state != "open" or self.store.dead:
             return  # a dead process abandons nothing: its upload stays pending
         self.state = "abandoned"
-        with self.store.lock:
+        with self.store.mutex:
             self.store.pending.pop(self.id, None)
 
     def close(self) -> None:
@@ -251,7 +289,7 @@ class MemSource(Source):
 
     def read_into(self, view: memoryview, offset: int) -> int:
         self.store.step("read", self.name)
-        with self.store.lock:
+        with self.store.mutex:
             self.store.reads.append((offset, len(view)))
         end = len(self.data) if self.store.faults.reads_end_at is None else self.store.faults.reads_end_at
         n = max(0, min(len(view), end - offset))

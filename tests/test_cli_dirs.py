@@ -73,7 +73,7 @@ def test_verify_a_manager_directory_checks_every_step(manager_dir: Path, capsys:
         f"{folders[1]}: OK (step 1: 1 file, 2 tensors, checksums verified)",
         f"{folders[2]}: OK (step 2: 1 file, 2 tensors, checksums verified)",
         f"{folders[3]}: OK (step 3: 2 files, 4 tensors, checksums verified)",
-        f"{folders[4]}: incomplete, ignored by the manager: no DONE marker: a save that did not finish (or is still "
+        f"{folders[4]}: incomplete, ignored by the manager: no DONE marker (its save did not finish, or is still "
         "running)",
     ]
 
@@ -112,10 +112,11 @@ def test_a_corrupt_rank_file_fails_its_step_and_the_directory(manager_dir: Path,
 def test_a_directory_without_a_complete_step_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = Path(_layout.step_dir(str(tmp_path), 5))
     folder.mkdir()
-    (folder / "FAILED-rank-00001").write_text("")
+    (folder / "FAILED-rank-00001").write_text("OSError: disk full\n")
     status, out, err = run_cli(capsys, "verify", str(tmp_path))
     assert status == 1
-    assert "incomplete, ignored by the manager: no DONE marker, and FAILED-rank-00001: a rank's save" in out
+    assert "incomplete, ignored by the manager: no DONE marker (its save did not finish, or is still running); " \
+        "rank 1 failed: OSError: disk full" in out
     assert f"{tmp_path}: INCOMPLETE: no complete step among its 1 step folders" in err
 
 
@@ -139,28 +140,29 @@ def test_a_damaged_or_hostile_done_is_an_incomplete_step_with_its_reason(damage:
         os.mkfifo(done_path)
     elif damage == "huge":
         done_path.write_bytes(b" " * (2 << 20))
-    elif damage == "deep":
-        done_path.write_text("[" * 200_000 + "]" * 200_000)
+    elif damage == "deep":  # within the size bound, past json's recursion limit
+        done_path.write_text("[" * 4000 + "]" * 4000)
     elif damage == "outside":
         write_done(folder, dict(good, files={"../../secret.txt": outside.stat().st_size}))
     elif damage == "size":
         write_done(folder, dict(good, files={"state.safetensors": good["files"]["state.safetensors"] + 1}))
     elif damage == "missing":
-        write_done(folder, dict(good, files={"rank-00000-of-00001.safetensors": 10}))
+        write_done(folder, good)
+        (folder / "state.safetensors").unlink()
     elif damage == "format":
         write_done(folder, dict(good, format="something else"))
     else:
         done_path.write_bytes(b"\xff\xfe{")
     reason = {
-        "fifo": "DONE is not a regular file",
-        "huge": f"DONE is {2 << 20} bytes, more than a marker ever holds",
-        "deep": "DONE cannot be read as JSON (RecursionError",
-        "outside": "DONE names a file outside the step folder ('../../secret.txt')",
-        "size": f"state.safetensors is {good['files']['state.safetensors']} bytes; DONE records "
-                f"{good['files']['state.safetensors'] + 1}",
-        "missing": "rank-00000-of-00001.safetensors, which DONE lists, is missing",
-        "format": "DONE is not a CheckpointManager marker (format 'something else')",
-        "not_json": "DONE cannot be read as JSON (UnicodeDecodeError",
+        "fifo": "DONE is not a regular file (a symbolic link, a FIFO",
+        "huge": f"DONE holds {2 << 20} bytes, more than the 8192 expected of it",
+        "deep": "DONE is malformed: it holds 4000 brackets, a DONE marker at most 16 (not parsed)",
+        "outside": "DONE names '../../secret.txt': a path, not a plain file name of the step folder",
+        "size": f"size mismatch of state.safetensors: DONE records {good['files']['state.safetensors'] + 1} bytes, "
+                f"the file has {good['files']['state.safetensors']}",
+        "missing": "state.safetensors is missing",
+        "format": "DONE is malformed: not a 'ckptstream-manager 1' record",
+        "not_json": "DONE is malformed: not JSON (",
     }[damage]
     status, out, _ = run_cli(capsys, "verify", str(manager_dir))
     assert status == 0
@@ -182,7 +184,7 @@ def test_inspect_a_manager_directory_and_one_of_its_steps(manager_dir: Path,
     assert lines[0] == f"{manager_dir}: CheckpointManager directory, 4 step folders, 3 complete (latest: step 3)"
     assert lines[1] == f"  step 1  complete: 1 file(s), {size1 / 1024:.1f} KiB"
     assert lines[3].startswith("  step 3  complete: 2 file(s), ")
-    assert lines[4] == "  step 4  incomplete: no DONE marker: a save that did not finish (or is still running)"
+    assert lines[4] == "  step 4  incomplete: no DONE marker (its save did not finish, or is still running)"
     assert lines[5] == f"one step's files: ckptstream inspect {manager_dir} --step 3"
     status, out, _ = run_cli(capsys, "inspect", str(manager_dir), "--step", "3")
     assert status == 0
@@ -288,7 +290,7 @@ def damage_dcp(damage: str, directory: Path, marker: Path) -> str:
         return "INCOMPLETE: no .metadata: not a complete DCP checkpoint"
     if damage == "fifo_metadata":
         os.mkfifo(directory / ".metadata")
-        return f"{directory / '.metadata'} is not a regular file"
+        return f"{directory / '.metadata'}: is a FIFO (named pipe), not a regular file"
 
     class Payload:
         def __reduce__(self) -> Any:

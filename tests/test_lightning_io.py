@@ -236,6 +236,21 @@ def test_arguments_and_paths_it_refuses(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "sub" / "dir") == []
 
 
+def test_remove_and_load_by_what_a_path_names(tmp_path: Path) -> None:
+    io = StreamCheckpointIO()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "a.ckpt").write_bytes(b"mine")
+    (tmp_path / "link").symlink_to(kept)
+    io.remove_checkpoint(tmp_path / "link")  # the link goes, never what it points to
+    assert not os.path.lexists(tmp_path / "link")
+    assert (kept / "a.ckpt").read_bytes() == b"mine"
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        io.load_checkpoint(kept)  # a folder is no checkpoint file
+    io.remove_checkpoint(kept)  # a folder (a sharded checkpoint's) goes whole
+    assert not kept.exists()
+
+
 def test_the_plug_in_pickles_its_options_only(tmp_path: Path) -> None:
     # Lightning pickles its strategy, the plug-in with it, for processes it spawns
     io = StreamCheckpointIO("device", metadata={"run": "a"}, max_in_flight=2)

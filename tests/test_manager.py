@@ -18,7 +18,9 @@ import torch
 import ckptstream
 from ckptstream import _async, _save
 from ckptstream._engine.write import WriteEngine
+from ckptstream._storage import storage_for
 from helpers import random_tensor
+from memstore import Crash, MemStorage, Place, Step
 
 sys.path.insert(0, str(Path(__file__).parent / "resume"))
 from trainutil import differences, free_port, start_child
@@ -33,13 +35,27 @@ def state(version: int) -> dict[str, Any]:
             "optim": {"state": {0: {"step": torch.tensor(float(version))}}}, "step": version}
 
 
+def poisoned(version: int) -> dict[str, Any]:
+    """``state(version)``'s shapes and dtypes, every tensor NaN, every value wrong."""
+    like = state(version)
+    return {"model": {k: torch.full_like(v, float("nan")) for k, v in like["model"].items()},
+            "optim": {"state": {0: {"step": torch.tensor(float("nan"))}}}, "step": -1}
+
+
 def entries(directory: Path) -> list[str]:
     """The entries of a folder, but a manager directory's lock files."""
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".lock-rank-"))
 
 
-def test_keep_the_newest_complete_checkpoints(tmp_path: Path) -> None:
-    with ckptstream.CheckpointManager(tmp_path, keep=2) as ckpts:
+def listed(folder: str) -> list[str]:
+    """``entries`` of a folder of any storage (a path, or a URL)."""
+    return [e.name for e in storage_for(folder).list_folder(folder) if not e.name.startswith(".lock-rank-")]
+
+
+def test_keep_the_newest_complete_checkpoints(place: Place) -> None:
+    directory = place.path("ckpts")
+    storage = storage_for(directory)
+    with ckptstream.CheckpointManager(directory, keep=2) as ckpts:
         assert (ckpts.steps(), ckpts.latest_step()) == ([], None)
         with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
             ckpts.load()
@@ -49,18 +65,23 @@ def test_keep_the_newest_complete_checkpoints(tmp_path: Path) -> None:
         assert all(h.done() for h in handles)
         assert ckpts.steps() == [20, 30]
         assert ckpts.latest_step() == 30
-        assert entries(tmp_path) == ["step-000000000020", "step-000000000030"]
-        assert entries(tmp_path / "step-000000000030") == ["DONE", "state.safetensors"]
+        assert listed(directory) == ["step-000000000020", "step-000000000030"]
+        folder = storage.join(directory, "step-000000000030")
+        assert listed(folder) == ["DONE", "state.safetensors"]
         assert differences(ckpts.load(20), state(20)) == []
         assert differences(ckpts.load(), state(30)) == []
-        assert ckpts.path() == handles[-1].path == str(tmp_path / "step-000000000030" / "state.safetensors")
-        done = json.loads((tmp_path / "step-000000000030" / "DONE").read_text())
+        target = poisoned(30)
+        assert differences(ckpts.load_into(target), state(30)) == []
+        assert differences(target["model"], state(30)["model"]) == []  # filled in place
+        assert ckpts.path() == handles[-1].path == storage.join(folder, "state.safetensors")
+        done = json.loads(storage.read_small(storage.join(folder, "DONE"), 1 << 16))
         assert done["step"] == 30
         assert done["world_size"] == 1
-        assert done["files"] == {"state.safetensors": os.path.getsize(ckpts.path())}
+        assert done["files"] == {"state.safetensors": storage.size(ckpts.path())}
         handle = ckpts.save(40, state(40), blocking=True)
         assert handle.done()
         assert ckpts.steps() == [30, 40]
+    assert listed(directory) == ["step-000000000030", "step-000000000040"]
 
 
 def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> None:
@@ -78,6 +99,7 @@ def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> Non
         if done is not None:
             (folder / "DONE").write_text(done)
     (tmp_path / "step-000000000009" / ".state.safetensors.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")
+    (tmp_path / "step-000000000008" / ".DONE.ckptstream-tmp-host-1-2-0123456789ab").write_bytes(b"x")  # not this rank's
     (tmp_path / "step-notanumber").mkdir()
     (tmp_path / "step-000000000010").write_text("a file, not a step folder")
     ckpts = ckptstream.CheckpointManager(tmp_path, keep=3)
@@ -93,18 +115,23 @@ def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> Non
         ckpts.save(12, state(12))
 
 
-def test_steps_increase_and_delete_rolls_back(tmp_path: Path) -> None:
-    with ckptstream.CheckpointManager(tmp_path, keep=None) as ckpts:
+def test_steps_increase_and_delete_rolls_back(place: Place) -> None:
+    directory = place.path("ckpts")
+    with ckptstream.CheckpointManager(directory, keep=None) as ckpts:
         for step in (1, 5, 9):
             ckpts.save(step, state(step))
         with pytest.raises(ValueError, match="step 5 is not after step 9"):
             ckpts.save(5, state(0))
         ckpts.wait()
         ckpts.delete(9)
+        assert listed(directory) == ["step-000000000001", "step-000000000005"]
+        with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+            ckpts.delete(9)
         ckpts.save(6, state(6), blocking=True)  # training resumed from 5 takes another road
         assert ckpts.steps() == [1, 5, 6]
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
             ckpts.load(9)
+        assert differences(ckpts.load(6), state(6)) == []
         for bad in (-1, 2.0, True):
             with pytest.raises(ValueError, match="step must be an integer"):
                 ckpts.save(bad, state(0))  # type: ignore[arg-type]
@@ -112,15 +139,16 @@ def test_steps_increase_and_delete_rolls_back(tmp_path: Path) -> None:
                             ({"max_in_flight": 0}, "max_in_flight must be"),
                             ({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 1}, "needs world_size")):
         with pytest.raises(ValueError, match=message):
-            ckptstream.CheckpointManager(tmp_path, **kwargs)
+            ckptstream.CheckpointManager(directory, **kwargs)
 
 
-def test_a_step_that_is_complete_is_never_saved_again(tmp_path: Path) -> None:
-    with ckptstream.CheckpointManager(tmp_path, keep=None) as ckpts:
+def test_a_step_that_is_complete_is_never_saved_again(place: Place) -> None:
+    directory = place.path("ckpts")
+    with ckptstream.CheckpointManager(directory, keep=None) as ckpts:
         ckpts.save(9, state(9), blocking=True)
         with pytest.raises(ValueError, match="step 9 is not after step 9"):
             ckpts.save(9, state(0))
-    with ckptstream.CheckpointManager(tmp_path, keep=None) as again:  # from the directory alone
+    with ckptstream.CheckpointManager(directory, keep=None) as again:  # from the directory alone
         with pytest.raises(ValueError, match="step 9 is not after step 9"):
             again.save(9, state(0))
         with pytest.raises(ValueError, match=r"step must be an integer in \[0, 999999999999\]"):
@@ -180,8 +208,10 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
     assert os.path.islink(directory / "step-000000000002")
 
 
-def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpts = ckptstream.CheckpointManager(tmp_path, keep=2, buffer_size=4096, num_buffers=2)
+def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = place.path("ckpts")
+    storage = storage_for(directory)
+    ckpts = ckptstream.CheckpointManager(directory, keep=2, buffer_size=4096, num_buffers=2)
     ckpts.save(1, state(1), blocking=True)
     real, count = WriteEngine._write, [0]
 
@@ -196,7 +226,7 @@ def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(OSError, match="No space left"):
         handle.result()
     assert ckpts.latest_step() == 1
-    assert entries(tmp_path / "step-000000000002") == []
+    assert listed(storage.join(directory, "step-000000000002")) == []  # nothing left of the save
     ckpts.wait()  # collected already: not raised again
     uncollected = ckpts.save(3, state(3))
     while not uncollected.done():
@@ -204,21 +234,43 @@ def test_a_failed_save_does_not_count(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(OSError, match="No space left"):
         ckpts.close()  # nobody asked: close says it
     monkeypatch.undo()
-    with ckptstream.CheckpointManager(tmp_path, keep=2) as again:
+    with ckptstream.CheckpointManager(directory, keep=2) as again:
         assert again.steps() == [1]
         again.save(4, state(4))
     assert again.steps() == [1, 4]
-    assert entries(tmp_path) == ["step-000000000001", "step-000000000004"]
+    assert listed(directory) == ["step-000000000001", "step-000000000004"]
+    assert not [n for n in place.names() if "tmp" in n or n.startswith("pending:")]  # no unfinished write left
 
 
-def test_saved_by_another_number_of_ranks(tmp_path: Path) -> None:
-    with ckptstream.CheckpointManager(tmp_path) as ckpts:
+def test_saved_by_another_number_of_ranks(place: Place) -> None:
+    directory = place.path("ckpts")
+    with ckptstream.CheckpointManager(directory) as ckpts:
         ckpts.save(1, state(1), blocking=True)
-    two = ckptstream.CheckpointManager(tmp_path, rank=0, world_size=2)
+    two = ckptstream.CheckpointManager(directory, rank=0, world_size=2)
     with pytest.raises(ckptstream.StateMismatchError, match="saved by 1 process"):
         two.load()
-    assert two.path(rank=0) == str(tmp_path / "step-000000000001" / "state.safetensors")
+    assert two.path(rank=0) == storage_for(directory).join(directory, "step-000000000001", "state.safetensors")
     two.close()
+
+
+def test_two_ranks_through_files_on_any_storage(place: Place) -> None:
+    """Two ranks (threads of one process) agree through READY and DONE markers and prune
+    together; each loads its own file."""
+    directory = place.path("ckpts")
+    ranks = [ckptstream.CheckpointManager(directory, rank=r, world_size=2, keep=1, max_in_flight=2, timeout=60)
+             for r in (0, 1)]
+    try:
+        for step in (1, 2, 3):
+            for handle in [m.save(step, state(10 * r + step)) for r, m in enumerate(ranks)]:
+                handle.result()
+        assert [m.steps() for m in ranks] == [[3], [3]]
+        for r, m in enumerate(ranks):
+            assert differences(m.load(), state(10 * r + 3)) == []
+        folder = storage_for(directory).join(directory, "step-000000000003")
+        assert listed(folder) == ["DONE", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    finally:
+        for m in ranks:
+            m.close()
 
 
 def test_lazy_mode_manager_and_a_device_state(tmp_path: Path, device: torch.device) -> None:
@@ -266,6 +318,54 @@ def test_sigkill_during_a_save_leaves_the_previous_step(point: str, tmp_path: Pa
     assert entries(tmp_path) == ["step-000000000003"]
     assert entries(tmp_path / "step-000000000003") == ["DONE", "state.safetensors"]
     ckpts.close()
+
+
+# --- crashes and faults on the in-memory storage ---------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["streaming", "rank file", "DONE"])
+def test_a_crash_during_a_save_leaves_the_previous_step(point: str, mem: MemStorage) -> None:
+    """The process dies (``Crash``: nothing of it runs on) while step 2 streams, as its file is
+    published, or as its DONE marker is: the next process finds step 1 the newest, its lock free
+    and the dead save's leftovers (an unfinished upload, a file) removed with step 2's folder."""
+    directory = "mem://test/ckpts"
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, buffer_size=4096, num_buffers=2)
+    ckpts.save(1, state(1), blocking=True)
+    writes, publishes = mem.calls["write"], mem.calls["publish"]
+    crashes: dict[str, tuple[Step, int]] = {"streaming": ("write", writes + 3), "rank file": ("publish", publishes + 1),
+                                            "DONE": ("publish", publishes + 2)}
+    mem.faults.crash = crashes[point]
+    with pytest.raises(Crash):
+        ckpts.save(2, state(2), blocking=True)
+    assert [s.name.rsplit("/", 1)[1] for s in mem.pending.values()] == [
+        "DONE" if point == "DONE" else "state.safetensors"]
+    mem.faults.crash = None
+    with pytest.raises(ckptstream.DirectoryLockedError, match=f"process {os.getpid()} on host"):
+        ckptstream.CheckpointManager(directory).save(3, state(3))  # the dead process holds it, yet
+    mem.restart()
+    with ckptstream.CheckpointManager(directory, keep=1) as again:
+        assert again.steps() == [1]
+        assert differences(again.load(), state(1)) == []
+        again.save(3, state(3), blocking=True)  # prunes step 1, and step 2 with the dead save's leftovers
+        assert again.steps() == [3]
+    assert listed(directory) == ["step-000000000003"]
+    assert mem.pending == {}
+
+
+def test_a_failed_done_publish_fails_the_step_and_keeps_the_previous(mem: MemStorage) -> None:
+    directory = "mem://test/ckpts"
+    with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
+        ckpts.save(1, state(1), blocking=True)
+        mem.faults.fail_publish = "/DONE"  # the rank file publishes; its DONE marker does not
+        with pytest.raises(OSError, match=r"Input/output error \(injected\).*step-000000000002/DONE"):
+            ckpts.save(2, state(2), blocking=True)
+        mem.faults.fail_publish = False
+        assert ckpts.steps() == [1]  # not pruned: step 2 never completed
+        assert listed(directory) == ["step-000000000001", "step-000000000002"]
+        ckpts.save(3, state(3), blocking=True)
+        assert ckpts.steps() == [3]
+    assert listed(directory) == ["step-000000000003"]
+    assert mem.pending == {}
 
 
 # --- several ranks -----------------------------------------------------------------------------

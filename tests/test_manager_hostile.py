@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,13 @@ CASES: dict[str, tuple[Callable[[Setting], object], str]] = {
     "the marker itself": (lambda s: names(s, {"DONE": 10}), r"names 'DONE': not a file of a 1-rank step"),
     "another rank's name": (lambda s: names(s, {"state.safetensors": s.size, "notes.txt": 3}),
                             r"names 'state.safetensors': not a file of a 2-rank step"),
-    "FIFO": (lambda s: os.mkfifo(s.done), r"DONE is a FIFO \(named pipe\), not a regular file"),
-    "link to a good DONE": (lambda s: s.done.symlink_to(s.good / "DONE"), r"DONE is a symbolic link"),
+    "FIFO": (lambda s: os.mkfifo(s.done), r"DONE is not a regular file \(a symbolic link, a FIFO"),
+    "link to a good DONE": (lambda s: s.done.symlink_to(s.good / "DONE"), r"DONE is not a regular file \(a symbolic"),
     "folder": (lambda s: s.done.mkdir(), r"DONE is a directory, not a regular file"),
     "200 MB": (lambda s: os.truncate(_touch(s.done), 200_000_000),
-               r"DONE is 200000000 bytes, over its limit of 8192"),
+               r"DONE holds 200000000 bytes, more than the 8192 expected of it"),
     "nested 200000 deep": (lambda s: s.done.write_text("[" * 200_000 + "]" * 200_000),
-                           r"DONE is 400000 bytes, over its limit of 8192"),
+                           r"DONE holds 400000 bytes, more than the 8192 expected of it"),
     "nested 4000 deep": (lambda s: s.done.write_text("[" * 4000 + "]" * 4000),
                          r"DONE is malformed: it holds 4000 brackets, a DONE marker at most 16 \(not parsed\)"),
     "not JSON": (lambda s: s.done.write_text("{not json"), r"DONE is malformed: not JSON"),
@@ -168,3 +169,52 @@ def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> No
     assert missing is not None
     assert missing.startswith(f"{tmp_path / 'missing'} cannot be read")
     assert [c.step for c in ckptstream.check_steps(tmp_path)] == [3]
+
+
+@pytest.mark.parametrize("marker", ["DONE", "READY-rank-00001"])
+def test_a_link_planted_as_a_marker_is_replaced_never_followed(marker: str, tmp_path: Path) -> None:
+    """A link named as a marker, to a file outside, lies in the folder of the next step once the
+    managers have cleaned up (their first save): saving that step publishes the marker in the
+    folder, and the file outside keeps its bytes."""
+    s = Setting(tmp_path)
+    secret = s.secret.read_bytes()
+    # two ranks in one process: the saves in flight are counted process-wide, hence max_in_flight=2
+    world = 1 if marker == "DONE" else 2
+    ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2, rank=r, world_size=world)
+             for r in range(world)]
+    try:
+        for handle in [m.save(HOSTILE, state(HOSTILE)) for m in ranks]:
+            handle.result()
+        folder = s.directory / f"step-{HOSTILE + 1:012d}"
+        folder.mkdir()
+        link = folder / marker
+        link.symlink_to(s.secret)
+        handles = [ranks[-1].save(HOSTILE + 1, state(HOSTILE + 1))]
+        if marker != "DONE":  # rank 0 starts once rank 1 has published its READY (over the link, or through it)
+            while link.is_symlink() and s.secret.read_bytes() == secret:
+                time.sleep(0.005)
+            handles.append(ranks[0].save(HOSTILE + 1, state(HOSTILE + 1)))
+        for handle in handles:
+            handle.result()
+        assert [m.latest_step() for m in ranks] == [HOSTILE + 1] * len(ranks)
+    finally:
+        for m in ranks:
+            m.close()
+    assert s.secret.read_bytes() == secret
+    assert not link.is_symlink()
+
+
+@pytest.mark.parametrize("what", ["file", "link to a folder"])
+def test_what_lies_in_the_way_of_a_step_folder_is_refused(what: str, tmp_path: Path) -> None:
+    s = Setting(tmp_path)
+    in_the_way = s.directory / "step-000000000007"
+    if what == "file":
+        in_the_way.write_text("mine")
+    else:
+        in_the_way.symlink_to(s.outside)
+    with ckptstream.CheckpointManager(s.directory, keep=None) as ckpts:
+        with pytest.raises(FileExistsError, match="is in the way of the step's folder"):
+            ckpts.save(7, state(7))
+        assert ckpts.steps() == [1]
+    assert sorted(os.listdir(s.outside)) == ["secret"]
+    assert in_the_way.is_symlink() or in_the_way.read_text() == "mine"

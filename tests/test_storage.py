@@ -17,7 +17,7 @@ import torch
 
 import ckptstream
 from ckptstream import DirectIO, UnsupportedStorageError
-from ckptstream._storage import Entry, Storage, dispatch, fileio, publish, register, storage_for
+from ckptstream._storage import Entry, LockHeldError, Storage, dispatch, fileio, publish, register, storage_for
 from ckptstream._storage.local import LOCAL
 from helpers import KiB, assert_bytes_equal, direct_io_supported, random_bytes, random_tensor
 from memstore import Crash, MemSink, MemStorage
@@ -170,6 +170,7 @@ def test_a_sink_is_visible_only_once_published(storage: tuple[Storage, str]) -> 
         sink.publish()
     assert s.read_small(path, 100) == b"hello world"
     assert [e.name for e in s.list_folder(root)] == ["ckpt.bin"]  # nothing else left
+    assert s.unfinished(root) == []
 
 
 def test_a_source_reads_until_its_end(storage: tuple[Storage, str]) -> None:
@@ -226,6 +227,64 @@ def test_leftovers_of_dead_writers_are_removed(storage: tuple[Storage, str], mem
     assert s.read_small(path, 100) == b"next"
 
 
+def test_kinds_and_the_removal_of_an_empty_folder(storage: tuple[Storage, str]) -> None:
+    """What the manager asks of its step folders: the kind of a name, and a folder removed only
+    once empty (an entry left in it stays, with the folder)."""
+    s, root = storage
+    folder, file = s.join(root, "step"), s.join(root, "step", "a.bin")
+    assert (s.kind(folder), s.kind(file)) == (None, None)
+    s.make_folders(folder)
+    s.write_small(file, b"a")
+    assert (s.kind(root), s.kind(folder), s.kind(file)) == ("folder", "folder", "file")
+    with pytest.raises(OSError, match=re.escape(folder)) as info:  # naming the folder
+        s.remove_folder(folder)
+    assert info.value.errno == errno.ENOTEMPTY
+    assert s.read_small(file, 10) == b"a"
+    s.remove(file)
+    s.remove_folder(folder)
+    assert (s.kind(folder), s.list_folder(root)) == (None, [])
+    s.remove_folder(folder)  # nothing where there is none
+
+
+def test_a_writer_lock_refuses_every_other_writer_until_closed(storage: tuple[Storage, str]) -> None:
+    s, root = storage
+    path = s.join(root, ".lock-rank-00000")
+    first = s.lock(path, b'{"pid": 1}')
+    for _ in range(2):  # refused again: the refusal leaves the lock held
+        with pytest.raises(LockHeldError) as info:
+            s.lock(path, b'{"pid": 2}')
+        assert info.value.holder == b'{"pid": 1}'
+        assert isinstance(info.value, OSError)
+        assert path in str(info.value)
+    first.close()
+    first.close()  # twice: nothing
+    second = s.lock(path, b'{"pid": 2}')
+    with pytest.raises(LockHeldError) as info:
+        s.lock(path, b"")
+    assert info.value.holder == b'{"pid": 2}'
+    second.close()
+    s.lock(path, b"").close()
+
+
+def test_unfinished_writes_are_no_entries(storage: tuple[Storage, str], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """What an unfinished write left (a local temp, a pending upload) is never listed as an
+    entry: ``unfinished`` names the target it was for. ``absolute`` anchors a local path and
+    keeps a URL as it is."""
+    s, root = storage
+    s.write_small(s.join(root, "done.bin"), b"done")
+    sink = s.create(s.join(root, "ckpt.bin"))
+    sink.write_at(memoryview(b"unfinished"), 0)
+    assert s.list_folder(root) == [Entry("done.bin", "file")]
+    assert s.unfinished(root) == ["ckpt.bin"]
+    sink.abandon()
+    assert s.unfinished(root) == []
+    if s is LOCAL:
+        monkeypatch.chdir(tmp_path)
+        assert s.absolute("rel/a") == str(tmp_path / "rel" / "a")
+    assert s.absolute(root) == root
+
+
 # --- the local file system ---------------------------------------------------------------------
 
 
@@ -235,6 +294,7 @@ def test_local_entries_of_other_kinds_are_not_followed(tmp_path: Path) -> None:
     os.symlink(tmp_path / "dir", tmp_path / "link")
     assert LOCAL.list_folder(str(tmp_path)) == [Entry("dir", "folder"), Entry("fifo", "other"),
                                                   Entry("link", "other")]
+    assert [LOCAL.kind(str(tmp_path / n)) for n in ("dir", "fifo", "link")] == ["folder", "other", "other"]
 
 
 @pytest.mark.timeout(60)  # a read that waited for the FIFO's writer would hang until then

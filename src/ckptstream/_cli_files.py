@@ -5,10 +5,10 @@ named as such, and a damaged header located (ckptstream's headers carry their ow
 from __future__ import annotations
 
 import json
-import os
 import struct
 
 from . import _checksum, _header
+from ._storage import Source, storage_for
 
 _HEADER_CRC_TAG = f'"{_header.HEADER_CRC_KEY}":"'.encode()
 
@@ -16,8 +16,8 @@ _HEADER_CRC_TAG = f'"{_header.HEADER_CRC_KEY}":"'.encode()
 def other_kind(path: str) -> str | None:
     """What ``path`` is when its first bytes show a format other than safetensors (None otherwise)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
+        with storage_for(path).open(path) as source:
+            head = _read(source, 0, 4)
     except OSError:
         return None
     if head.startswith(b"\x80") and head[1:2] and head[1] <= 5:
@@ -31,15 +31,14 @@ def header_damage(path: str) -> str | None:
     """Where the header of ``path`` is damaged, when its own CRC-32C shows that it is (None for
     a header as it was written, or one without that checksum: files of other writers)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
+        with storage_for(path).open(path) as source:
+            prefix = _read(source, 0, 8)
             if len(prefix) < 8:
                 return None
             n = struct.unpack("<Q", prefix)[0]
-            if n > _header.MAX_HEADER or 8 + n > size:
+            if n > _header.MAX_HEADER or 8 + n > source.size():
                 return None
-            raw = prefix + f.read(n)
+            raw = prefix + _read(source, 8, n)
     except OSError:
         return None
     at = raw.find(_HEADER_CRC_TAG)
@@ -52,6 +51,12 @@ def header_damage(path: str) -> str | None:
         return None
     return (f"{path}: header corrupt: its bytes 0..{len(raw)} fail their CRC-32C check (stored {stored}, computed "
             f"{computed}); {_first_damage(raw)}; restore the file from another copy")
+
+
+def _read(source: Source, offset: int, length: int) -> bytes:
+    """Up to ``length`` bytes from ``offset`` (fewer where the file ends)."""
+    buf = bytearray(length)
+    return bytes(buf[: source.read_into(memoryview(buf), offset)])
 
 
 def _first_damage(raw: bytes) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptstream import TensorEntry
+
 from ._cli_dirs import DCP, MANAGER, STEP
-from ._header import DTYPE_NAMES
-from ._reader import TensorEntry
 from ._structure import KeyPath, key_str
 
 # C0, DEL and C1 (U+0080..U+009F: U+009B is a one-character CSI to some terminals)
@@ -82,7 +82,7 @@ def print_report(d: dict[str, Any], max_items: int = MAX_ITEMS) -> None:
     for i, e in tensors:
         alias = printable(f"  (stored as {e.stored_as})") if e.stored_as != e.key else ""
         shape = str(list(e.shape))
-        rows.append((i, f"  {keys[i]:<{width}}  {DTYPE_NAMES[e.dtype]:<8} {shape:<20} {_human(e.nbytes)}{alias}"))
+        rows.append((i, f"  {keys[i]:<{width}}  {e.dtype_name:<8} {shape:<20} {_human(e.nbytes)}{alias}"))
     for line in collapse.lines(rows, "tensors"):
         print(line)
     values = [(i, printable(f"  {key_str(path)}: {leaf!r}")) for i, (path, leaf) in enumerate(leaves)

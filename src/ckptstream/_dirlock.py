@@ -1,27 +1,19 @@
-"""One writing CheckpointManager per rank of a directory: a lock file per rank, held with
-``flock`` for the writing manager's life.
-
-The kernel releases the lock when the process dies (a SIGKILL included), so a crashed writer
-never blocks the next. The holder writes its host and pid into the file, for the message of
-the process that is refused. A forked child does not hold its parent's lock: its inherited
-descriptor is closed at the fork (a lock stays held while any descriptor of it is open, and a
-DataLoader worker may outlive the manager of its parent).
+"""One writing CheckpointManager per rank of a directory: the storage's writer lock named
+``DIR/.lock-rank-NNNNN``, held for the writing manager's life (``Storage.lock``: on local files
+a lock file held with ``flock``, which the kernel releases when the process dies, and which a
+forked child does not hold). The holder's host, pid and start time go with the lock, for the
+message of the writer that is refused.
 """
 
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import json
 import os
 import socket
-import stat
-import weakref
 
 from ._errors import CkptStreamError
-
-HOLDER_BYTES = 4096
+from ._storage import Lock, LockHeldError, storage_for
 
 
 class DirectoryLockedError(CkptStreamError, RuntimeError):
@@ -38,77 +30,42 @@ def lock_name(rank: int) -> str:
     return f".lock-rank-{rank:05d}"
 
 
-_held: weakref.WeakSet[WriterLock] = weakref.WeakSet()
-
-
 class WriterLock:
     """The lock of ``rank`` in ``directory``, taken at construction.
 
     Raises:
         DirectoryLockedError: another manager (of this process or another) holds it.
-        OSError: the lock file cannot be made (a directory that cannot be written).
+        OSError: the lock cannot be made (a directory that cannot be written).
     """
 
     def __init__(self, directory: str, rank: int) -> None:
-        self.path = os.path.join(directory, lock_name(rank))
-        fd = _open(self.path)
+        storage = storage_for(directory)
+        self.path = storage.join(directory, lock_name(rank))
+        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                         "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode()
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                who = (f"process {holder.get('pid')} on host {holder.get('host')!r} (since {holder.get('since')})"
-                       if holder else "another process (it has not written its name yet)")
-                raise DirectoryLockedError(
-                    f"{directory} is written by another CheckpointManager as rank {rank}: {who} holds "
-                    f"{self.path}. One manager writes as a rank of a directory at a time: close the other (or let "
-                    "it exit), or save into another directory; reading (latest_step, steps, load, path) needs no "
-                    "lock", directory, rank, holder) from None
-            me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, me, 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd: int | None = fd
-        _held.add(self)
+            self._lock: Lock | None = storage.lock(self.path, me)
+        except LockHeldError as e:
+            holder = _holder(e.holder)
+            who = (f"process {holder.get('pid')} on host {holder.get('host')!r} (since {holder.get('since')})"
+                   if holder else "another process (it has not written its name yet)")
+            raise DirectoryLockedError(
+                f"{directory} is written by another CheckpointManager as rank {rank}: {who} holds "
+                f"{self.path}. One manager writes as a rank of a directory at a time: close the other (or let "
+                "it exit), or save into another directory; reading (latest_step, steps, load, path) needs no "
+                "lock", directory, rank, holder) from None
 
     def close(self) -> None:
-        """Close the lock's descriptor, which releases the lock once no other descriptor of it
-        is open (never an explicit unlock: in a forked child that would release the parent's);
-        safe to call twice."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            _held.discard(self)
-            os.close(fd)
+        """Release the lock (in a forked child: the parent's lock stays held); safe to call twice."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()
 
 
-def _open(path: str) -> int:
+def _holder(data: bytes) -> dict[str, object]:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror} (opening the manager's lock file; a link there is refused)",
-                      path) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "is not a regular file: the manager's lock file is; remove what is there", path)
-    return fd
-
-
-def _holder(fd: int) -> dict[str, object]:
-    try:
-        data = os.pread(fd, HOLDER_BYTES, 0)
         # the holder writes one flat object: anything nested is not read (json recurses)
         holder = json.loads(data) if data.count(b"{") + data.count(b"[") == 1 else None
-    except (OSError, ValueError):
+    except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
-
-
-def _after_fork_in_child() -> None:
-    for lock in list(_held):
-        lock.close()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -199,7 +199,7 @@ def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
     for name in sorted(present):
         if SHARD.fullmatch(name) and name not in names:
             storage.remove(storage.join(folder, name), missing_ok=True)
-        left = name[1:].split(".ckptstream-tmp-")[0] if name.startswith(".") else ""
+    for left in storage.unfinished(folder):
         if (left in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(left)) and left not in names:
             storage.remove_temps(storage.join(folder, left))
 

@@ -9,11 +9,15 @@
 
 Only ``step-`` and exactly 12 ASCII digits name a step. A step is complete when its DONE marker
 is a small regular file of the format below naming exactly the rank files of the step, which all
-exist as regular files with the sizes it records: DONE is published (temp, fsync, rename, folder
-fsync) only once every rank's file is durable, and removed first (and that removal made durable)
-when a step is deleted. Anything else is an incomplete step, whatever it holds: ignored by the
-listing, removed later. The manager removes only the files it writes (the names above and their
-temps): a folder holding anything else stays, with that inside.
+exist as regular files with the sizes it records: DONE is published (``write_small``: on local
+files temp, fsync, rename, folder fsync) only once every rank's file is durable, and removed
+first (and that removal made durable) when a step is deleted. Anything else is an incomplete
+step, whatever it holds: ignored by the listing, removed later. The manager removes only the
+files it writes (the names above, and what unfinished writes of them left: ``Storage.unfinished``,
+``remove_temps``): a folder holding anything else stays, with that inside.
+
+Every access goes through the storage of the directory (``storage_for``), so a manager works on
+any storage: local paths, or URLs of a registered one.
 """
 
 from __future__ import annotations
@@ -23,13 +27,12 @@ import dataclasses
 import errno
 import json
 import os
+import posixpath
 import re
-import stat
 from collections.abc import Mapping
 from typing import Any
 
-from . import _fileio
-from ._publish import TEMP_MARK, atomic_file, fsync_dir
+from ._storage import Entry, Kind, Storage, storage_for
 
 DONE = "DONE"
 FORMAT = "ckptstream-manager 1"
@@ -42,13 +45,14 @@ DONE_BYTES = 4096
 # json's recursion) before it is parsed
 DONE_BRACKETS = 16
 MARKER_BYTES = 4096  # a FAILED marker's text, read for messages
+NOT_A_FILE = "not a regular file (a symbolic link, a FIFO, a socket or a device)"
 _STEP_DIR = re.compile(r"step-([0-9]{12})")
 _RANK_FILE = re.compile(r"rank-([0-9]{5,})-of-([0-9]{5,})\.safetensors")
 _MARKER = re.compile(r"(?:FAILED|READY)-rank-([0-9]{5,})")
 
 
 def step_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step-{step:012d}")
+    return storage_for(directory).join(directory, f"step-{step:012d}")
 
 
 def step_of(name: str) -> int | None:
@@ -69,15 +73,8 @@ def ready_name(rank: int) -> str:
     return f"READY-rank-{rank:05d}"
 
 
-def temp_prefix(name: str) -> str:
-    """The start of the names of ``name``'s temps (``_publish``'s rule for short names)."""
-    return f".{name}{TEMP_MARK}"
-
-
 def is_manager_file(name: str) -> bool:
-    """Whether a step folder's entry is one the manager or its ranks write (or its temp)."""
-    if name.startswith(".") and TEMP_MARK in name:
-        name = name[1 : name.index(TEMP_MARK)]
+    """Whether a step folder's entry is one the manager or its ranks write."""
     if name in (DONE, SINGLE):
         return True
     m = _RANK_FILE.fullmatch(name)
@@ -91,13 +88,22 @@ def is_manager_file(name: str) -> bool:
 def step_dirs(directory: str) -> dict[int, str]:
     """Every step folder in ``directory`` (complete or not), by step: real folders only, named
     as the manager names them."""
-    found: dict[int, str] = {}
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for entry in os.scandir(directory):
-            step = step_of(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
-                found[step] = entry.path
+    storage = storage_for(directory)
+    try:
+        entries = storage.list_folder(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found = {step: storage.join(directory, e.name) for e in entries
+             if e.kind == "folder" and (step := step_of(e.name)) is not None}
     return dict(sorted(found.items()))
+
+
+def listing(folder: str) -> dict[str, Entry]:
+    """The entries of ``folder`` by name; none where it cannot be listed."""
+    try:
+        return {e.name: e for e in storage_for(folder).list_folder(folder)}
+    except OSError:
+        return {}
 
 
 # --- is a step complete, and why not ----------------------------------------------------------
@@ -115,8 +121,9 @@ class StepCheck:
         world_size: the number of ranks DONE records (None where DONE cannot be read).
         files: each rank file's name and size as DONE records them, in rank order (empty where
             DONE cannot be read); the files are in ``folder``.
-        own: the entries of the folder that the manager writes (rank files, markers, temps).
-        foreign: the other entries: the manager never removes them.
+        own: the entries of the folder that the manager writes (rank files, markers).
+        foreign: the other entries: the manager never removes them. (What unfinished writes
+            left is no entry: ``Storage.unfinished``.)
     """
 
     folder: str
@@ -136,37 +143,25 @@ class Unreadable(Exception):
     """Why a small file of a step folder cannot be taken as it is (the text says)."""
 
 
-def read_small(path: str, limit: int, what: str) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes, opened without blocking and
-    without following a symbolic link (a FIFO, a device or a link is refused unopened).
+def read_marker(storage: Storage, folder: str, entry: Entry, limit: int) -> bytes:
+    """The bytes of a small regular file of a step folder, read without blocking and refused
+    above ``limit`` bytes (unread).
 
     Raises:
-        FileNotFoundError: there is none;
+        FileNotFoundError: it is gone;
         Unreadable: anything else that keeps it from being read, with why.
     """
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else _fileio._KINDS.get(stat.S_IFMT(st.st_mode),
-                                                                                     "something else")
-        raise Unreadable(f"{what} is {kind}, not a regular file")
-    if st.st_size > limit:
-        raise Unreadable(f"{what} is {st.st_size} bytes, over its limit of {limit}")
+    if entry.kind != "file":
+        raise Unreadable(f"{entry.name} is " + ("a directory, not a regular file" if entry.kind == "folder" else
+                                               NOT_A_FILE))
     try:
-        fd = _fileio.open_path(path, os.O_RDONLY | os.O_NOFOLLOW, f"reading {what}")
+        return storage.read_small(storage.join(folder, entry.name), limit)
+    except FileNotFoundError:
+        raise
     except OSError as e:
-        raise Unreadable(f"{what} cannot be read: {e.strerror or e}") from e
-    try:
-        data = b""
-        while len(data) <= limit:  # the file may grow after the checks: read one byte past the limit
-            chunk = os.read(fd, limit + 1 - len(data))
-            if not chunk:
-                return data
-            data += chunk
-    except OSError as e:
-        raise Unreadable(f"{what} cannot be read: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
-    raise Unreadable(f"{what} is over its limit of {limit} bytes")
+        why = e.strerror or str(e)
+        raise Unreadable(f"{entry.name} {why}" if e.errno == errno.EFBIG else
+                         f"{entry.name} cannot be read: {why}") from e
 
 
 def parse_done(data: bytes) -> dict[str, Any]:
@@ -206,43 +201,51 @@ def check_step(folder: str | os.PathLike[str]) -> StepCheck:
     folder, parses as the manager's record (at most 16 brackets) of this step, names exactly
     the rank files of its number of ranks, and each is a regular file of the recorded size.
     """
-    folder = os.path.abspath(os.fspath(folder))
-    step = step_of(os.path.basename(folder))
+    storage = storage_for(folder)
+    path = storage.absolute(os.fspath(folder))
+    return _check(storage, path, storage.kind(path))
+
+
+def _check(storage: Storage, folder: str, kind: Kind | None) -> StepCheck:
+    step = step_of(posixpath.basename(folder.rstrip("/")))
+    if kind is None:
+        return StepCheck(folder, step, f"{folder} cannot be read: nothing is there")
+    if kind != "folder":
+        return StepCheck(folder, step, f"{folder} is not a folder" + ("" if kind == "file" else
+                                                                      " (a symbolic link, or something else)"))
     try:
-        st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
-            return StepCheck(folder, step, f"{folder} is {kind}")
-        entries = {e.name: e for e in os.scandir(folder)}
+        entries = {e.name: e for e in storage.list_folder(folder)}
     except OSError as e:
         return StepCheck(folder, step, f"{folder} cannot be read: {e.strerror or e}")
     own = tuple(sorted(n for n in entries if is_manager_file(n)))
     foreign = tuple(sorted(n for n in entries if not is_manager_file(n)))
     try:
-        done = _read_done(folder, own)
+        done = _read_done(storage, folder, entries, own)
     except Unreadable as e:
         return StepCheck(folder, step, str(e), own=own, foreign=foreign)
     world, files = done["world_size"], done["files"]
     expected = [file_name(r, world) for r in range(world)]
     if set(files) == set(expected):
         files = {name: files[name] for name in expected}
-    return StepCheck(folder, step, _against_folder(done, step, expected, entries), world, files, own, foreign)
+    problem = _against_folder(storage, folder, done, step, expected, entries)
+    return StepCheck(folder, step, problem, world, files, own, foreign)
 
 
-def _read_done(folder: str, own: tuple[str, ...]) -> dict[str, Any]:
+def _read_done(storage: Storage, folder: str, entries: dict[str, Entry], own: tuple[str, ...]) -> dict[str, Any]:
     rank_files = sum(1 for n in own if n == SINGLE or _RANK_FILE.fullmatch(n))
+    entry = entries.get(DONE)
+    if entry is None:
+        raise Unreadable(_missing_done(storage, folder, entries))
     try:
-        return parse_done(read_small(os.path.join(folder, DONE), DONE_BYTES * (1 + rank_files), DONE))
-    except FileNotFoundError:
-        raise Unreadable(_missing_done(folder, own)) from None
-    except OSError as e:
-        raise Unreadable(f"DONE cannot be read: {e.strerror or e}") from e
+        return parse_done(read_marker(storage, folder, entry, DONE_BYTES * (1 + rank_files)))
+    except FileNotFoundError:  # removed since the listing
+        raise Unreadable(_missing_done(storage, folder, entries)) from None
     except ValueError as e:
         raise Unreadable(f"DONE is malformed: {e}") from e
 
 
-def _against_folder(done: dict[str, Any], step: int | None, expected: list[str],
-                    entries: dict[str, os.DirEntry[str]]) -> str | None:
+def _against_folder(storage: Storage, folder: str, done: dict[str, Any], step: int | None, expected: list[str],
+                    entries: dict[str, Entry]) -> str | None:
     """What is wrong between a well-formed DONE and its folder, or None."""
     if step is not None and done["step"] != step:
         return f"DONE records step {done['step']}, the folder's name step {step}"
@@ -256,29 +259,39 @@ def _against_folder(done: dict[str, Any], step: int | None, expected: list[str],
         entry, size = entries.get(name), done["files"][name]
         if entry is None:
             return f"{name} is missing"
-        if not entry.is_file(follow_symlinks=False):
+        if entry.kind != "file":
             return f"{name} is not a regular file"
-        actual = entry.stat(follow_symlinks=False).st_size
+        try:
+            actual = storage.size(storage.join(folder, name))
+        except OSError as e:
+            return f"{name} cannot be read: {e.strerror or e}"
         if actual != size:
             return f"size mismatch of {name}: DONE records {size} bytes, the file has {actual}"
     return None
 
 
-def _missing_done(folder: str, own: tuple[str, ...]) -> str:
+def _missing_done(storage: Storage, folder: str, entries: dict[str, Entry]) -> str:
     why = ["no DONE marker (its save did not finish, or is still running)"]
-    for name in own:
-        if name.startswith("FAILED-rank-"):
-            try:
-                text = read_small(os.path.join(folder, name), MARKER_BYTES, name).decode("utf-8", "replace").strip()
-            except (OSError, Unreadable) as e:
-                text = str(e)
-            why.append(f"rank {int(name[len('FAILED-rank-'):])} failed: {text}")
+    for name, entry in sorted(entries.items()):
+        if name.startswith("FAILED-rank-") and is_manager_file(name):
+            text = failure_text(storage, folder, entry)
+            why.append(f"rank {int(name[len('FAILED-rank-'):])} failed" + (f": {text}" if text else ""))
     return "; ".join(why)
+
+
+def failure_text(storage: Storage, folder: str, entry: Entry) -> str:
+    """What a FAILED marker says (or why it cannot be read)."""
+    try:
+        return read_marker(storage, folder, entry, MARKER_BYTES).decode("utf-8", "replace").strip()
+    except (OSError, Unreadable) as e:
+        return str(e)
 
 
 def check_steps(directory: str | os.PathLike[str]) -> list[StepCheck]:
     """``check_step`` of every step folder of a manager's directory, in step order."""
-    return [check_step(folder) for folder in step_dirs(os.path.abspath(os.fspath(directory))).values()]
+    storage = storage_for(directory)
+    found = step_dirs(storage.absolute(os.fspath(directory)))
+    return [_check(storage, folder, "folder") for folder in found.values()]
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -296,82 +309,86 @@ def read_done(folder: str) -> dict[str, Any] | None:
 
 def make_step_dir(directory: str, step: int) -> str:
     """The step's folder, made now or by another rank; never a link or a file in its place."""
-    folder = step_dir(directory, step)
-    try:
-        os.mkdir(folder)
-    except FileExistsError:
-        if not stat.S_ISDIR(os.lstat(folder).st_mode):
-            raise FileExistsError(errno.EEXIST, "is in the way of the step's folder, and not a folder the manager "
-                                  "made: move it away", folder) from None
+    storage, folder = storage_for(directory), step_dir(directory, step)
+    with contextlib.suppress(FileExistsError):  # something in the way: said below
+        storage.make_folders(folder)
+    if storage.kind(folder) not in ("folder", None):  # None: a storage whose folders are prefixes
+        raise FileExistsError(errno.EEXIST, "is in the way of the step's folder, and not a folder the manager "
+                              "made: move it away", folder)
     return folder
+
+
+def write_marker(folder: str, name: str, data: bytes) -> None:
+    """Publish the marker ``name`` of a step folder (``write_small``: atomically, durably);
+    what is in its place and not a file (a link: the publish must not follow it) goes first."""
+    storage = storage_for(folder)
+    path = storage.join(folder, name)
+    if storage.kind(path) not in (None, "file"):
+        storage.remove(path, missing_ok=True)
+    storage.write_small(path, data)
 
 
 def write_done(directory: str, step: int, world_size: int) -> None:
     """Publish the DONE marker of ``step`` (every rank's file is durable by now)."""
-    folder = step_dir(directory, step)
-    fsync_dir(folder)  # every rank's file there, before the marker that counts them
-    fsync_dir(directory)  # and the step folder's own entry
+    storage, folder = storage_for(directory), step_dir(directory, step)
+    storage.sync_folder(folder)  # every rank's file there, before the marker that counts them
+    storage.sync_folder(directory)  # and the step folder's own entry
     files = {}
     for name in (file_name(r, world_size) for r in range(world_size)):
-        st = os.lstat(os.path.join(folder, name))
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "is not a regular file: the step cannot be counted", os.path.join(folder, name))
-        files[name] = st.st_size
+        path = storage.join(folder, name)
+        kind = storage.kind(path)
+        if kind != "file":
+            raise OSError(errno.ENOENT if kind is None else errno.EINVAL,
+                          f"is {'missing' if kind is None else 'not a regular file'}: the step cannot be counted", path)
+        files[name] = storage.size(path)
     data = (json.dumps({"format": FORMAT, "step": step, "world_size": world_size, "files": files}, indent=1)
             + "\n").encode()
-    done = os.path.join(folder, DONE)
-    with contextlib.suppress(FileNotFoundError):  # a stale one: the publish below must not follow a link there
-        if not stat.S_ISREG(os.lstat(done).st_mode):
-            os.unlink(done)
-    with atomic_file(done) as file:
-        _fileio.pwrite_all(file.fd, memoryview(data), 0, file.path)
+    write_marker(folder, DONE, data)
 
 
-def remove_step(directory: str, folder: str) -> tuple[bool, tuple[str, ...]]:
+def remove_step(directory: str, folder: str) -> tuple[str, ...]:
     """Delete a step: its DONE marker first, durably, so that a crash midway leaves an
     incomplete step (ignored), never a complete step with files missing; then the other files
     the manager writes, then the folder, unless it holds files of others.
 
     Returns:
-        whether anything was removed, and the entries left in the folder (then kept).
+        the entries left in the folder (then kept).
     """
-    removed = False
-    done = os.path.join(folder, DONE)
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISDIR(os.lstat(done).st_mode):
-            os.unlink(done)
-            fsync_dir(folder)
-            removed = True
+    storage = storage_for(directory)
+    done = storage.join(folder, DONE)
+    if storage.kind(done) not in (None, "folder"):
+        storage.remove(done, missing_ok=True)
+        storage.sync_folder(folder)
     try:
-        entries = list(os.scandir(folder))
+        entries = storage.list_folder(folder)
     except FileNotFoundError:
-        return removed, ()
+        return ()
     for entry in entries:
-        if entry.name != DONE and is_manager_file(entry.name) and not entry.is_dir(follow_symlinks=False):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-                removed = True
+        if entry.name != DONE and entry.kind != "folder" and is_manager_file(entry.name):
+            storage.remove(storage.join(folder, entry.name), missing_ok=True)
+    for name in storage.unfinished(folder):  # what unfinished writes of its files left
+        if is_manager_file(name):
+            storage.remove_temps(storage.join(folder, name), stale_only=False)
     try:
-        os.rmdir(folder)
-    except FileNotFoundError:
-        pass
+        storage.remove_folder(folder)
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-        return removed, tuple(sorted(os.listdir(folder)))
-    fsync_dir(directory)
-    return True, ()
+        return tuple(sorted({*listing(folder), *storage.unfinished(folder)}))
+    storage.sync_folder(directory)
+    return ()
 
 
 def remove_own_leftovers(directory: str, rank: int, world_size: int) -> None:
-    """Remove this rank's files (and temps, and markers) from incomplete step folders: a later
-    save of one of those steps must not find them there. Only this rank's writing manager runs
-    this (it holds the rank's lock), so none of them is being written."""
-    mine = (file_name(rank, world_size), failed_name(rank), ready_name(rank))
+    """Remove this rank's files (and what unfinished writes of them left, and markers) from
+    incomplete step folders: a later save of one of those steps must not find them there. Only
+    this rank's writing manager runs this (it holds the rank's lock), so none of them is being
+    written."""
+    storage = storage_for(directory)
+    mine = {file_name(rank, world_size), failed_name(rank), ready_name(rank)}
     for check in check_steps(directory):
-        if check.complete:
-            continue
-        for name in check.own:
-            if name in mine or name.startswith(tuple(temp_prefix(m) for m in mine)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(check.folder, name))
+        if not check.complete:
+            for name in mine & set(check.own):
+                storage.remove(storage.join(check.folder, name), missing_ok=True)
+            for name in mine & set(storage.unfinished(check.folder)):
+                storage.remove_temps(storage.join(check.folder, name), stale_only=False)

@@ -20,6 +20,7 @@ from ._load_into import load_into as load_into_file
 from ._ranks import CheckpointTimeoutError, FileRanks, GroupRanks, IncompleteCheckpointError, Ranks
 from ._reader import Device
 from ._settings import INHERIT, call_settings
+from ._storage import storage_for
 
 __all__ = ["CheckpointManager", "CheckpointTimeoutError", "DirectoryLockedError", "IncompleteCheckpointError",
            "StepCheck", "check_step", "check_steps"]
@@ -95,12 +96,13 @@ class CheckpointManager:
         mode = check_options(mode, max_in_flight)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an integer >= 1 or None (keep all), got {keep!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self._storage = storage_for(directory)
+        self.directory = self._storage.absolute(os.fspath(directory))
         self.keep, self.mode, self.max_in_flight, self.checksum = keep, mode, max_in_flight, checksum
         self._io = {"buffer_size": buffer_size, "num_buffers": num_buffers, "io_threads": io_threads,
                     "direct_io": direct_io}
         call_settings(**self._io)  # bad settings raise now, not at the first save
-        os.makedirs(self.directory, exist_ok=True)
+        self._storage.make_folders(self.directory)
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self._handles: list[SaveHandle] = []
@@ -140,7 +142,7 @@ class CheckpointManager:
         if rank is None and done["world_size"] != self.world_size:
             raise StateMismatchError(f"{folder} was saved by {done['world_size']} process(es); this manager is "
                                      f"rank {self.rank} of {self.world_size}: pass rank= to read a given rank's file")
-        return os.path.join(folder, _layout.file_name(self.rank if rank is None else rank, done["world_size"]))
+        return self._storage.join(folder, _layout.file_name(self.rank if rank is None else rank, done["world_size"]))
 
     # --- saving ---------------------------------------------------------------------------
 
@@ -170,7 +172,7 @@ class CheckpointManager:
         if self._last is None:  # this process writes here from now on: its leftovers would mislead
             _layout.remove_own_leftovers(self.directory, self.rank, self.world_size)
         folder = _layout.make_step_dir(self.directory, step)
-        path = os.path.join(folder, _layout.file_name(self.rank, self.world_size))
+        path = self._storage.join(folder, _layout.file_name(self.rank, self.world_size))
         previous = self._handles[-1] if self._handles else None
         then = functools.partial(self._complete, step, previous)
         try:
@@ -223,7 +225,7 @@ class CheckpointManager:
 
     def _remove(self, folder: str) -> tuple[str, ...]:
         """Delete a step's files (DONE first); what is left in its folder then."""
-        return _layout.remove_step(self.directory, folder)[1]
+        return _layout.remove_step(self.directory, folder)
 
     def _say_kept(self, folder: str, kept: tuple[str, ...]) -> None:
         self._kept.add(folder)
@@ -246,7 +248,7 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _layout.LARGEST_STEP:
             raise FileNotFoundError(2, f"no checkpoint of step {step!r}", self.directory)
         folder = _layout.step_dir(self.directory, step)
-        if not os.path.isdir(folder) or os.path.islink(folder):
+        if self._storage.kind(folder) != "folder":  # a link is none of the manager's
             raise FileNotFoundError(2, "no such checkpoint", folder)
         kept = self._remove(folder)
         if kept:

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _layout
 from ._dirlock import WriterLock
 from ._errors import CkptStreamError
-from ._publish import atomic_file
+from ._storage import Entry, storage_for
 
 POLL_S = 0.05
 _HEAD = struct.Struct("<qBxxxI")  # step, failed, length of the text
@@ -225,7 +224,7 @@ class FileRanks(Ranks):
             self._mark_failed(folder, error)
             raise error
         if self.rank != 0:  # this rank's file is durable, and it has seen each earlier step's outcome
-            self._mark(os.path.join(folder, _layout.ready_name(self.rank)))
+            _layout.write_marker(folder, _layout.ready_name(self.rank), b"")
         deadline = time.monotonic() + self.timeout
         while not self._poll(step, folder, publish):
             if time.monotonic() > deadline:
@@ -235,17 +234,18 @@ class FileRanks(Ranks):
     def _poll(self, step: int, folder: str, publish: Callable[[], None]) -> bool:
         """One look at the step folder: True once the step is complete (rank 0: published), False
         while waiting; raises when a rank failed."""
-        names = _listing(folder)
-        failed = self._failures(folder, names)
+        entries = _layout.listing(folder)
+        failed = self._failures(folder, entries)
         if failed:
             raise IncompleteCheckpointError(f"step {step} in {self.directory} is not complete: {failed}")
         if self.rank != 0:
-            return _layout.DONE in names and _layout.check_step(folder).complete
-        if self._waiting_for(names):
+            return _layout.DONE in entries and _layout.check_step(folder).complete
+        if self._waiting_for(entries):
             return False
+        storage = storage_for(folder)
         for r in range(1, self.world_size):  # every rank is ready: nobody reads these again
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, _layout.ready_name(r)))
+                storage.remove(storage.join(folder, _layout.ready_name(r)), missing_ok=True)
         try:
             publish()
         except BaseException as e:
@@ -253,15 +253,15 @@ class FileRanks(Ranks):
             raise
         return True
 
-    def _waiting_for(self, names: set[str]) -> list[int]:
-        """The ranks whose file or READY marker is not among ``names`` (of the step folder)."""
+    def _waiting_for(self, entries: Mapping[str, Entry]) -> list[int]:
+        """The ranks whose file or READY marker is not among ``entries`` (of the step folder)."""
         return [r for r in range(self.world_size)
-                if _layout.file_name(r, self.world_size) not in names
-                or (r != 0 and _layout.ready_name(r) not in names)]
+                if _layout.file_name(r, self.world_size) not in entries
+                or (r != 0 and _layout.ready_name(r) not in entries)]
 
     def _time_out(self, step: int, folder: str) -> None:
         if self.rank == 0:
-            waited = f"rank(s) {self._waiting_for(_listing(folder))} to save it"
+            waited = f"rank(s) {self._waiting_for(_layout.listing(folder))} to save it"
         else:
             waited = "rank 0's DONE marker"
         error = CheckpointTimeoutError(f"step {step} in {self.directory}: rank {self.rank} waited {self.timeout:g} s "
@@ -272,33 +272,11 @@ class FileRanks(Ranks):
         raise error
 
     def _mark_failed(self, folder: str, error: BaseException) -> None:
-        try:
-            with atomic_file(os.path.join(folder, _layout.failed_name(self.rank))) as file:
-                os.write(file.fd, f"{type(error).__name__}: {error}\n".encode())
-        except OSError:
-            pass  # the others then wait until their timeout
+        with contextlib.suppress(OSError):  # the others then wait until their timeout
+            _layout.write_marker(folder, _layout.failed_name(self.rank), f"{type(error).__name__}: {error}\n".encode())
 
-    @staticmethod
-    def _mark(path: str) -> None:
-        # a signal between processes, not a record: no fsync (after a crash nobody waits for it)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
-
-    def _failures(self, folder: str, names: set[str]) -> str:
-        found = []
-        for r in range(self.world_size):
-            name = _layout.failed_name(r)
-            if name not in names:
-                continue
-            try:
-                text = _layout.read_small(os.path.join(folder, name), _layout.MARKER_BYTES, name)
-            except (OSError, _layout.Unreadable) as e:
-                text = str(e).encode()
-            found.append(f"rank {r}: {text.decode('utf-8', 'replace').strip()}")
+    def _failures(self, folder: str, entries: Mapping[str, Entry]) -> str:
+        storage = storage_for(folder)
+        found = [f"rank {r}: {_layout.failure_text(storage, folder, entries[_layout.failed_name(r)])}"
+                 for r in range(self.world_size) if _layout.failed_name(r) in entries]
         return "; ".join(found)
-
-
-def _listing(folder: str) -> set[str]:
-    try:
-        return set(os.listdir(folder))
-    except OSError:
-        return set()

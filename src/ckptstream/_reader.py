@@ -62,6 +62,11 @@ class TensorEntry:
         """The tensor's own bytes (a view may use fewer than its stored blob holds)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype's name in the file's tensor table, as safetensors names it ("F32", "BF16")."""
+        return _header.DTYPE_NAMES[self.dtype]
+
 
 def as_device(device: Device) -> torch.device:
     """``device`` as a torch.device; ValueError for what names none ("bogus", "cuda:x")."""
@@ -148,6 +153,16 @@ class CheckpointReader:
     def format(self) -> str:
         """"ckptstream 1" for files written by ckptstream, "safetensors" for others."""
         return self.header.format
+
+    @property
+    def data_offset(self) -> int:
+        """Where the tensor data starts in the file (the header's length, with its prefix)."""
+        return self.header.data_start
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes of tensor data the header describes."""
+        return self.header.data_bytes
 
     @property
     def checksummed(self) -> bool:

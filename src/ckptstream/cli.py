@@ -16,18 +16,18 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from . import _cli_dirs, _cli_files, _load
+import ckptstream
+
+from . import _cli_dirs, _cli_files
 from ._cli_dirs import DCP, MANAGER, STEP, Verdict
 from ._cli_text import MAX_ITEMS, print_directory, print_report, printable
-from ._errors import CkptStreamError, CorruptCheckpointError
-from ._header import DTYPE_NAMES
-from ._reader import CheckpointReader
+from ._storage import storage_for
 from ._structure import KeyPath
 
 T = TypeVar("T")
 
 
-def _groups(reader: CheckpointReader) -> dict[str, dict[str, int]]:
+def _groups(reader: ckptstream.CheckpointReader) -> dict[str, dict[str, int]]:
     """Tensors and bytes under each top-level key of the state."""
     groups: dict[str, dict[str, int]] = {}
     for e in reader.entries():
@@ -52,16 +52,15 @@ def _leaves(node: Any, path: KeyPath = ()) -> Iterable[tuple[KeyPath, Any]]:
 def inspect_report(path: str) -> dict[str, Any]:
     """What ``ckptstream inspect`` shows of a checkpoint file, as plain data (and, under
     "_leaves", every leaf with its key path in order, for the table: not in the JSON)."""
-    with _load.open(path) as reader:
-        h = reader.header
+    with ckptstream.open(path) as reader:
         return {
             "path": path,
             "format": reader.format,
-            "tensors": [{"key": e.key, "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "bytes": e.nbytes,
+            "tensors": [{"key": e.key, "dtype": e.dtype_name, "shape": list(e.shape), "bytes": e.nbytes,
                          **({"stored_as": e.stored_as} if e.stored_as != e.key else {})} for e in reader.entries()],
             "values": reader.leaves,
-            "data_bytes": h.data_bytes,
-            "data_offset": h.data_start,
+            "data_bytes": reader.data_bytes,
+            "data_offset": reader.data_offset,
             "checksums": "crc32c" if reader.checksummed else None,
             "metadata": reader.metadata,
             "structure": _groups(reader),
@@ -74,7 +73,7 @@ def inspect_report(path: str) -> dict[str, Any]:
 
 def _verify_file(path: str) -> Verdict:
     def check() -> str:
-        with _load.open(path) as reader:
+        with ckptstream.open(path) as reader:
             reader.verify()
             return (f"{len(reader)} tensors, checksums verified" if reader.checksummed
                     else "structure only: the file has no checksums")
@@ -89,23 +88,27 @@ def _reporting(path: str, work: Callable[[], T]) -> tuple[T | None, int, str]:
     of another kind tells more."""
     try:
         return work(), 0, ""
-    except (CkptStreamError, OSError, ValueError) as e:
+    except (ckptstream.CkptStreamError, OSError, ValueError) as e:
         message = str(e)
-        if isinstance(e, CorruptCheckpointError) and os.path.isfile(path):
+        if isinstance(e, ckptstream.CorruptCheckpointError):  # of a file: what its bytes show
             other = _cli_files.other_kind(path)
             if other is not None:
                 return None, 2, f"{path}: {other}"
             message = _cli_files.header_damage(path) or message
-        return None, 1 if isinstance(e, CkptStreamError) else 2, message
+        return None, 1 if isinstance(e, ckptstream.CkptStreamError) else 2, message
 
 
 def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
     """The kind of checkpoint at ``path`` ("file", MANAGER, STEP, DCP), or the verdict that it is none."""
-    if os.path.isdir(path):
-        try:
-            kind = _cli_dirs.folder_kind(path)
-        except OSError as e:
-            return None, Verdict(f"{path}: cannot be listed ({e.strerror})", 2)
+    storage = storage_for(path)
+    try:
+        entries = storage.list_folder(path)
+    except (FileNotFoundError, NotADirectoryError):
+        entries = None  # no folder: a file (or nothing, which the reader says)
+    except OSError as e:
+        return None, Verdict(f"{path}: cannot be listed ({e.strerror})", 2)
+    if entries is not None:
+        kind = _cli_dirs.folder_kind(path, entries)
         if kind is None:
             return None, Verdict(f"{path}: a folder that holds no checkpoint (a checkpoint file, a CheckpointManager "
                                  "directory or step folder, or a DCP checkpoint's folder)", 2)
@@ -114,7 +117,7 @@ def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
         return kind, None
     if step is not None:
         return None, Verdict(f"{path}: --step picks a step of a CheckpointManager directory; this is a file", 2)
-    if _cli_dirs.is_dcp_metadata_name(os.path.basename(path)) and os.path.isfile(path):
+    if _cli_dirs.is_dcp_metadata_name(os.path.basename(path)) and storage.exists(path):
         folder = os.path.dirname(path) or "."
         return None, Verdict(f"{path}: this is a DCP checkpoint's metadata, not a checkpoint file; run "
                              f"`ckptstream verify {folder}` (or inspect) on its folder", 2)
@@ -131,7 +134,7 @@ def verify(path: str, step: int | None = None) -> list[Verdict]:
     try:
         if kind == MANAGER:
             return _cli_dirs.check_manager(path, step)
-        return [_cli_dirs.check_step(path) if kind == STEP else _cli_dirs.check_dcp(path)]
+        return [_cli_dirs.check_step(ckptstream.check_step(path)) if kind == STEP else _cli_dirs.check_dcp(path)]
     except OSError as e:  # a folder that cannot be listed or read
         return [Verdict(f"{path}: {e}", 2)]
 
@@ -144,11 +147,12 @@ def inspect(path: str, step: int | None = None) -> tuple[dict[str, Any] | None, 
     kind, refused = _what_is(path, step)
     if refused is not None:
         return None, refused
+    check = None
     if kind == MANAGER and step is not None:
-        folder = _cli_dirs.step_folder(path, step)
-        if isinstance(folder, Verdict):  # no such step
-            return None, folder
-        kind, path = STEP, folder
+        found = _cli_dirs.step_check(path, step)
+        if isinstance(found, Verdict):  # no such step
+            return None, found
+        kind, check = STEP, found
 
     def describe() -> dict[str, Any]:
         if kind == MANAGER:
@@ -156,8 +160,10 @@ def inspect(path: str, step: int | None = None) -> tuple[dict[str, Any] | None, 
         if kind == DCP:
             return _cli_dirs.describe_dcp(path)
         if kind == STEP:
-            report = _cli_dirs.describe_step(path)
-            report["reports"] = [inspect_report(os.path.join(path, n)) for n in report.get("files", {})]
+            step_check = check or ckptstream.check_step(path)
+            report = _cli_dirs.describe_step(step_check)
+            storage = storage_for(step_check.folder)
+            report["reports"] = [inspect_report(storage.join(step_check.folder, n)) for n in report.get("files", {})]
             return report
         return inspect_report(path)
 

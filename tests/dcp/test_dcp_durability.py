@@ -19,7 +19,7 @@ import pytest
 import torch
 from dcp_helpers import load_1, poisoned_like, same_bits, save_1
 
-from ckptstream import _publish
+from ckptstream._storage import publish
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 from test_durability import OPTS, Trace, temps
@@ -59,7 +59,7 @@ def publish_steps(events: list[tuple[Any, ...]], target: str) -> dict[str, int]:
     rename = renames[0]
     temp = events[rename][1]
     assert os.path.dirname(temp) == directory
-    assert _publish.TEMP_MARK in temp
+    assert publish.TEMP_MARK in temp
     assert not [e for e in events if e[0] in ("write", "truncate") and e[1] == target], f"{target} written in place"
     assert not [e for e in events if e[0] == "open" and e[1] == target and e[2] & (os.O_WRONLY | os.O_RDWR)], \
         f"{target} opened for writing"

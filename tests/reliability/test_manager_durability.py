@@ -17,7 +17,7 @@ import torch
 from test_durability import Trace, where
 
 import ckptstream
-from ckptstream import _publish
+from ckptstream._storage import publish
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 
@@ -69,7 +69,7 @@ def check_file_published(trace: ManagerTrace, target: str) -> int:
     assert len(renames) == 1, [events[i] for i in renames]
     temp = events[renames[0]][1]
     assert os.path.dirname(temp) == folder
-    assert os.path.basename(temp).startswith(f".{os.path.basename(target)}{_publish.TEMP_MARK}")
+    assert os.path.basename(temp).startswith(f".{os.path.basename(target)}{publish.TEMP_MARK}")
     assert not trace.all(lambda e: e[0] in ("write", "truncate") and e[1] == target), f"{target} written in place"
     assert not trace.all(lambda e: e[0] == "open" and e[1] == target and e[2] & (os.O_WRONLY | os.O_RDWR))
     writes = trace.all(lambda e: e[0] in ("write", "truncate") and e[1] == temp)
@@ -93,7 +93,7 @@ def check_step_published(trace: ManagerTrace, directory: str, step: int, rank_fi
     folder_syncs = trace.all(lambda e: e == ("sync", folder))
     durable = max(min(i for i in folder_syncs if i > r) for r in renamed)  # each rank file's rename
     done_temp = trace.index(lambda e: e[0] == "open" and os.path.basename(e[1]).startswith(
-        f".DONE{_publish.TEMP_MARK}") and os.path.dirname(e[1]) == folder)
+        f".DONE{publish.TEMP_MARK}") and os.path.dirname(e[1]) == folder)
     assert durable < done_temp, "DONE is begun before every rank file's rename is durable"
     parent = [i for i in trace.all(lambda e: e == ("sync", directory)) if made < i < done_temp]
     assert parent, "the step folder's entry in its parent is not fsynced before DONE is begun"

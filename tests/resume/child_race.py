@@ -23,7 +23,7 @@ import torch
 import ckptstream
 from ckptstream import _layout, _ranks
 
-GONE, WAITS = "step-1-deleted", "rank-0-waits-with-rank-1s-file-there"
+GONE, WAITS, PRUNED = "step-1-deleted", "rank-0-waits-with-rank-1s-file-there", "rank-0-pruned"
 
 
 def state(rank: int, step: int) -> dict[str, Any]:
@@ -84,6 +84,11 @@ def main(rank: int, directory: str, signals: Path, keep: int, max_in_flight: int
                 report[str(step)] = "ok"
             except Exception as e:
                 report[str(step)] = f"{type(e).__name__}: {e}"
+        if rank == 0:  # its last save has pruned: what rank 1 lists from now on is final
+            signal(signals, PRUNED)
+        else:
+            while not (signals / PRUNED).exists():  # a file, not a duration
+                time.sleep(0.005)
         report["steps"] = ckpts.steps()
         report["signals"] = sorted(p.name for p in signals.iterdir())
         report["loaded"] = all(torch.equal(ckpts.load(s)["w"], state(rank, s)["w"]) for s in ckpts.steps())

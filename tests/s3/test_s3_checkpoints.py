@@ -121,6 +121,27 @@ def test_memory_of_a_256_mib_save(s3: Bucket) -> None:
     assert len(s3.get("big.safetensors")) > 256 * MiB
 
 
+def test_a_checkpoint_manager_on_s3(s3: Bucket) -> None:
+    """Save, list, keep, delete, load and load_into with the manager's directory a prefix; an
+    unfinished upload of a step's file is aborted when the step goes."""
+    directory = s3.url("run/ckpts")
+    states = {step: {"w": random_tensor((1000, 33)), "step": step} for step in (1, 2, 3)}
+    with ckptstream.CheckpointManager(directory, keep=2) as ckpts:
+        for step, state in states.items():
+            ckpts.save(step, state, blocking=True)
+        assert ckpts.steps() == [2, 3]
+        assert sorted(s3.keys()) == [f"run/ckpts/step-00000000000{s}/{n}" for s in (2, 3)
+                                     for n in ("DONE", "state.safetensors")]
+        assert_same_state(ckpts.load(2), states[2])
+        target = {"w": torch.full((1000, 33), float("nan")), "step": -1}
+        assert_same_state(ckpts.load_into(target), states[3])
+        s3.raw.create_multipart_upload(Bucket=s3.name, Key="run/ckpts/step-000000000002/DONE")  # a dead writer's
+        ckpts.delete(2)
+        assert ckpts.steps() == [3]
+    assert sorted(s3.keys()) == ["run/ckpts/step-000000000003/DONE", "run/ckpts/step-000000000003/state.safetensors"]
+    assert s3.uploads() == []
+
+
 def test_dcp_on_s3(s3: Bucket) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -4,6 +4,7 @@ header again), published whole or not at all; ranged reads; prefixes as folders.
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import os
@@ -187,6 +188,27 @@ def test_folders(s3: Bucket) -> None:
         STORE.create(s3.url("run/step-1/"))
     with pytest.raises(IsADirectoryError, match="is a folder"):
         STORE.create(s3.url("run/step-1"))  # objects lie under it
+
+
+def test_kinds_empty_folders_and_the_writer_lock(s3: Bucket) -> None:
+    """What the manager asks beyond files: kinds (an empty prefix is none), a folder removed only
+    once nothing lies under it, and a writer lock that holds nothing (S3 has no lock that a dead
+    holder releases: said in S3Storage.lock)."""
+    s3.put("run/step-1/DONE", b"{}")
+    assert [STORE.kind(s3.url(k)) for k in ("run", "run/step-1", "run/step-1/DONE", "run/step-2")] == [
+        "folder", "folder", "file", None]
+    with pytest.raises(OSError, match="run/step-1") as info:
+        STORE.remove_folder(s3.url("run/step-1"))
+    assert info.value.errno == errno.ENOTEMPTY
+    assert s3.keys() == ["run/step-1/DONE"]
+    STORE.remove(s3.url("run/step-1/DONE"))
+    STORE.remove_folder(s3.url("run/step-1"))  # nothing lies under it: nothing to do
+    assert STORE.kind(s3.url("run/step-1")) is None
+    first = STORE.lock(s3.url("run/.lock-rank-00000"), b"one")
+    second = STORE.lock(s3.url("run/.lock-rank-00000"), b"two")  # not refused
+    first.close()
+    second.close()
+    assert s3.keys() == []  # and nothing written
 
 
 def test_remove_tree_takes_objects_and_open_uploads(s3: Bucket) -> None:

@@ -8,9 +8,9 @@ checkpoint lives, and nothing more.
     # abandons it: the old object stays as it was)
 
 A ``Storage`` is a namespace of targets (a local file system; an object store's bucket): it
-opens ``Source``s and creates ``Sink``s, and lists, removes and syncs what the checkpoint
-manager keeps there. Positional and vectored I/O and the publish protocol are part of the seam
-because speed (reads and writes from several threads straight into and out of the staging
+opens ``Source``s and creates ``Sink``s, lists, removes and syncs what the checkpoint manager
+keeps there, and holds the manager's writer locks. Positional and vectored I/O and the publish
+protocol are part of the seam because speed (reads and writes from several threads straight into and out of the staging
 buffers) and safety (a reader sees the old complete object or the new one) come from them.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import posixpath
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeVar
@@ -44,6 +45,24 @@ class Entry:
 
     name: str
     kind: Kind
+
+
+class LockHeldError(OSError):
+    """``Storage.lock``: another writer holds the lock; ``holder`` is what it wrote there (for
+    the refused writer's message; empty where it cannot be read)."""
+
+    def __init__(self, path: str, holder: bytes) -> None:
+        super().__init__(errno.EWOULDBLOCK, "held by another writer", path)
+        self.holder = holder
+
+
+class Lock(abc.ABC):
+    """A writer lock, held until ``close`` (see ``Storage.lock``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the lock; safe to call twice. In a forked child (which never holds its
+        parent's locks): nothing, the parent's lock stays held."""
 
 
 class Target(abc.ABC):
@@ -179,8 +198,15 @@ class Storage(abc.ABC):
         """Whether ``path`` names a file or a folder."""
 
     @abc.abstractmethod
+    def kind(self, path: str) -> Kind | None:
+        """What ``path`` names, as ``list_folder`` would say it (a symbolic link is not
+        followed: "other"), or None where nothing is there."""
+
+    @abc.abstractmethod
     def list_folder(self, folder: str) -> list[Entry]:
-        """The entries of ``folder``, sorted by name; FileNotFoundError where there is none."""
+        """The entries of ``folder``, sorted by name; FileNotFoundError where there is none.
+        What unfinished writes left (a local temp file, an incomplete upload) is no entry:
+        ``unfinished`` names the targets it was for."""
 
     @abc.abstractmethod
     def remove(self, path: str, *, missing_ok: bool = False) -> None:
@@ -189,6 +215,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove_tree(self, folder: str) -> None:
         """Remove ``folder`` and everything in it; nothing happens where there is none."""
+
+    @abc.abstractmethod
+    def remove_folder(self, folder: str) -> None:
+        """Remove the empty folder ``folder``; nothing happens where there is none. Raises
+        OSError with errno ENOTEMPTY where it holds entries (they stay)."""
 
     @abc.abstractmethod
     def make_folders(self, folder: str) -> None:
@@ -216,6 +247,19 @@ class Storage(abc.ABC):
         """All of the small file ``path`` (a marker, a metadata file): FileNotFoundError where
         there is none, OSError (without blocking) where it is not a file or holds more than
         ``limit`` bytes."""
+
+    @abc.abstractmethod
+    def lock(self, path: str, holder: bytes) -> Lock:
+        """Take the writer lock named ``path``, held until the returned lock is closed: until
+        then every other ``lock(path)``, of this process or another, raises LockHeldError with
+        ``holder`` (a few hundred bytes saying who holds it). A holder that dies releases it
+        (a lock that outlived its writer would stop every later writer); a forked child does
+        not hold its parent's locks. Raises OSError where the lock cannot be made."""
+
+    def absolute(self, path: str) -> str:
+        """``path`` in a form that names the same place whatever the working directory (a local
+        path made absolute; a URL as it is)."""
+        return path
 
     def write_small(self, path: str, data: bytes) -> None:
         """Publish ``data`` as the file ``path``, atomically and durably (``create``)."""

@@ -9,12 +9,14 @@ import fcntl
 import io
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from typing import IO, TypeVar, Union
 
 from . import fileio, publish
 from .base import Entry, Kind, Storage
 from .files import AtomicSink, FileSink, FileSource
+from .locks import FileLock
 
 FileLike = Union[str, "os.PathLike[str]", int, IO[bytes]]
 Opened = TypeVar("Opened", FileSink, FileSource)
@@ -23,7 +25,8 @@ Opened = TypeVar("Opened", FileSink, FileSource)
 class LocalStorage(Storage):
     """Paths of the local file system. Files are written beside their final name and published
     by rename (``files.AtomicSink``); nothing that is not a regular file is opened, and a FIFO
-    is refused without waiting for its other end."""
+    is refused without waiting for its other end. Writer locks are lock files held with
+    ``flock`` (``locks``)."""
 
     def open(self, path: str) -> FileSource:
         return FileSource(fileio.open_path(path, os.O_RDONLY, "opening the checkpoint"), path, owned=True)
@@ -40,9 +43,17 @@ class LocalStorage(Storage):
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
+    def kind(self, path: str) -> Kind | None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+        return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
+
     def list_folder(self, folder: str) -> list[Entry]:
-        with os.scandir(folder) as it:
-            return sorted((Entry(e.name, _kind(e)) for e in it), key=lambda e: e.name)
+        with os.scandir(folder) as it:  # temps are what unfinished writes left: no entries
+            entries = [Entry(e.name, _kind(e)) for e in it if publish.temp_target(e.name) is None]
+        return sorted(entries, key=lambda e: e.name)
 
     def remove(self, path: str, *, missing_ok: bool = False) -> None:
         try:
@@ -54,6 +65,10 @@ class LocalStorage(Storage):
     def remove_tree(self, folder: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(folder)
+
+    def remove_folder(self, folder: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(folder)
 
     def make_folders(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
@@ -80,6 +95,12 @@ class LocalStorage(Storage):
             return bytes(data[:got])
         finally:
             os.close(fd)
+
+    def lock(self, path: str, holder: bytes) -> FileLock:
+        return FileLock(path, holder)
+
+    def absolute(self, path: str) -> str:
+        return os.path.abspath(path)
 
     def join(self, folder: str, *names: str) -> str:
         return os.path.join(folder, *names)

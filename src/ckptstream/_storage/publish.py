@@ -62,14 +62,23 @@ def temp_path_for(path: str) -> str:
     return os.path.join(directory, prefix + tail)
 
 
+def temp_target(entry: str) -> str | None:
+    """The name a temp beside it was written for, where the folder entry ``entry`` is one (a name
+    shortened in its temps' names comes back shortened); else None."""
+    if not entry.startswith(".") or TEMP_MARK not in entry:
+        return None
+    name, _, tail = entry[1:].partition(TEMP_MARK)
+    return name if name and _ANY_TAIL.fullmatch(tail) else None
+
+
 def temps_targets(directory: str) -> list[str]:
     """The names whose temps lie in ``directory`` (not those shortened to fit NAME_MAX)."""
     try:
         entries = os.listdir(directory or ".")
     except OSError:
         return []
-    names = {e[1 : e.index(TEMP_MARK)] for e in entries if e.startswith(".") and TEMP_MARK in e}
-    return sorted(n for n in names if n and "~" not in n)
+    names = {name for e in entries if (name := temp_target(e)) is not None}
+    return sorted(n for n in names if "~" not in n)
 
 
 def remove_stale_temps(path: str, stale_only: bool = True) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 from .._errors import BucketNotFoundError, ConnectionLostError, ObjectNotFoundError, ObjectStoreError
 from .._settings import DirectIO
 from . import s3client, s3journal
-from .base import Entry, Source, Storage
+from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
 from .s3upload import MultipartSink
 
@@ -161,6 +161,18 @@ class S3Storage(Storage):
                 pass
         return self._has_children(url)
 
+    def kind(self, path: str) -> Kind | None:
+        """"file" for an object (one HEAD), else "folder" where objects lie under the prefix (one
+        LIST), else None: a folder made and left empty is none here."""
+        url = s3client.parse(path)
+        if url.key and not url.key.endswith("/"):
+            try:
+                _head(s3client.client(), url, "looking at the object")
+                return "file"
+            except ObjectNotFoundError:
+                pass
+        return "folder" if self._has_children(url) else None
+
     def list_folder(self, folder: str) -> list[Entry]:
         url = s3client.parse(folder)
         prefix = _prefix(url.key)
@@ -204,6 +216,11 @@ class S3Storage(Storage):
             with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
 
+    def remove_folder(self, folder: str) -> None:
+        """Nothing to remove (a prefix is no object), once nothing lies under it."""
+        if self._has_children(s3client.parse(folder)):
+            raise OSError(errno.ENOTEMPTY, "objects lie under the folder (a prefix); they stay", folder)
+
     def make_folders(self, folder: str) -> None:
         s3client.parse(folder)  # a prefix exists while objects lie under it: nothing to make
 
@@ -244,6 +261,14 @@ class S3Storage(Storage):
         except Exception:
             return []
         return sorted(k for k in keys if k and "/" not in k)
+
+    def lock(self, path: str, holder: bytes) -> Lock:
+        """No lock: S3 has none that its holder's death releases (a lock object that a killed
+        writer left would refuse every later writer until someone removed it by hand; a lease
+        renewed by a thread, taken over once expired, is the way to one). So two managers that
+        write one prefix as the same rank are not refused here: each replaces the other's files."""
+        self._object(path)
+        return _NoLock()
 
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
@@ -326,6 +351,13 @@ class S3Storage(Storage):
             parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
+
+
+class _NoLock(Lock):
+    """``S3Storage.lock``'s: holds nothing."""
+
+    def close(self) -> None:
+        pass
 
 
 def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:

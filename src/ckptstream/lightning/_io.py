@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +15,7 @@ from .._async import MODES, SaveHandle, save_async
 from .._errors import CkptStreamError, CorruptCheckpointError
 from .._load import load, read_metadata
 from .._save import save
+from .._storage import storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
 
@@ -108,7 +108,7 @@ class StreamCheckpointIO(CheckpointIO):
             metadata[TYPES_KEY] = encode_table(table)
         self._wait(target)  # a save of the same path first: its error, and the order of the two files
         self._prune()
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        storage_for(target).make_folders(os.path.dirname(target) or ".")
         if self.mode is None:
             save(plain, target, metadata=metadata, checksum=self.checksum)
             return
@@ -139,7 +139,7 @@ class StreamCheckpointIO(CheckpointIO):
         device = self._device(map_location)
         self.wait()
         target = _local(path)
-        if not os.path.isfile(target):
+        if storage_for(target).kind(target) != "file":  # the target of any link: a file, or none
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
         _refuse_torch_save_file(target)
         metadata = read_metadata(target)
@@ -161,10 +161,12 @@ class StreamCheckpointIO(CheckpointIO):
         target = _local(path)
         self._wait(target)
         given = _given(path)
-        if os.path.isdir(given) and not os.path.islink(given):
-            shutil.rmtree(given)
-        elif os.path.lexists(given):
-            os.remove(given)
+        storage = storage_for(given)
+        kind = storage.kind(given)
+        if kind == "folder":
+            storage.remove_tree(given)
+        elif kind is not None:  # a file, or a link (removed itself)
+            storage.remove(given, missing_ok=True)
 
     def teardown(self) -> None:
         """Wait for every background save; raises the first error of those that failed."""
@@ -277,8 +279,9 @@ def _storage_metadata(storage_options: Any) -> dict[str, str]:
 
 
 def _refuse_torch_save_file(path: str) -> None:
-    with open(path, "rb") as f:
-        magic = f.read(len(_ZIP_MAGIC))
+    magic = bytearray(len(_ZIP_MAGIC))
+    with storage_for(path).open(path) as source:
+        source.read_into(memoryview(magic), 0)
     if magic == _ZIP_MAGIC:
         raise CorruptCheckpointError(
             f"{path} is a torch.save file (Lightning's default checkpoint format), not a ckptstream file: load it "
