@@ -52,8 +52,9 @@ def _seed(request: pytest.FixtureRequest) -> None:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checksums in pieces of an odd size that splits elements, on threads, for small files."""
     monkeypatch.setattr(_mapped, "PIECE", 4096 + 7)
+    monkeypatch.setattr(_mapped, "TASK", 3 * 4096)
     monkeypatch.setattr(_mapped, "THREADED_FROM", 1)
-    monkeypatch.setattr(_mapped, "THREADED_MEAN", 1)
+    monkeypatch.setattr(_mapped, "RELEASES_GIL", 1024)
     monkeypatch.setattr(_mapped, "threads", lambda io, hot: 3)
 
 
@@ -232,7 +233,7 @@ def test_without_checksums_nothing_is_read_up_front(tmp_path: Path, monkeypatch:
     state = {"a": random_tensor((50_000,)), "b": random_tensor((9,), torch.int64)}
     ckptstream.save(state, tmp_path / "s.safetensors")
 
-    def no_reads(*args: Any) -> Any:
+    def no_reads(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("read up front")
 
     monkeypatch.setattr(_mapped, "span_crcs", no_reads)  # the data's checksums (not the header's)
@@ -320,9 +321,9 @@ def test_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None
     assert "load p.safetensors" in capfd.readouterr().err
 
 
-def test_the_benchmark_lists_the_mapped_load_on_cpu_runs_only() -> None:
+def test_the_benchmark_lists_the_copying_load_on_cpu_runs_only() -> None:
     system = systems.SYSTEMS["ckptstream"]
-    assert "ckptstream mmap" in [v.label for v in system.variants_on("cpu")]
-    assert "ckptstream mmap" not in [v.label for v in system.variants_on("cuda:1")]
-    others = [v.label for v in system.variants if v.label != "ckptstream mmap"]
+    assert "ckptstream mmap=False" in [v.label for v in system.variants_on("cpu")]
+    assert "ckptstream mmap=False" not in [v.label for v in system.variants_on("cuda:1")]
+    others = [v.label for v in system.variants if v.label != "ckptstream mmap=False"]
     assert [v.label for v in system.variants_on("cuda")] == others

@@ -271,27 +271,36 @@ class CheckpointReader:
         return TensorSlice(self, self.entry(key))
 
     def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-             mmap: bool = False) -> Any:
-        """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
-        with tensors of the right dtypes and shapes and nothing read."""
+             mmap: bool | None = None) -> Any:
+        """The whole state (see ``ckptstream.load``: on the CPU mapped by default); on the
+        "meta" device its structure only, with tensors of the right dtypes and shapes and
+        nothing read."""
+        if mmap:
+            _mapped.check_device(as_device(device))
         dev = as_device(device)
         dev = dev if dev.type == "meta" else target_device(dev)
-        if mmap:
-            tensors = _mapped.mapped_tensors(self, dev, checksum=checksum, progress=progress)
-        elif dev.type == "meta":
-            tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
-        else:
-            tensors = self._load_tensors(dev, checksum, progress)
-        views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        def view_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
-            view = self._structure.views[path]
-            if view not in views:
-                views[view] = make_view(tensors[view.base], view)
-            return views[view]
+        def build(tensors: dict[str, torch.Tensor]) -> Any:
+            views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        with _gc.paused():
-            return rebuild(self._structure.tree, tensors, view_leaf)
+            def view_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
+                view = self._structure.views[path]
+                if view not in views:
+                    views[view] = make_view(tensors[view.base], view)
+                return views[view]
+
+            with _gc.paused():
+                return rebuild(self._structure.tree, tensors, view_leaf)
+
+        if mmap or (mmap is None and dev.type == "cpu"):
+            # by default a storage that cannot map (an object store) gets the copying load
+            mapped, state = _mapped.mapped_load(self, dev, build, checksum=checksum, progress=progress,
+                                                required=bool(mmap))
+            if mapped:
+                return state
+        if dev.type == "meta":
+            return build({t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors})
+        return build(self._load_tensors(dev, checksum, progress))
 
     def _load_tensors(self, dev: torch.device, checksum: bool, progress: bool) -> dict[str, torch.Tensor]:
         """Every stored tensor, read into few allocations on ``dev`` (see ``_blocks``)."""
