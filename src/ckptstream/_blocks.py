@@ -19,6 +19,7 @@ at its file position: it gets an ordinary allocation of its own.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import mmap
 from collections.abc import Collection, Sequence
@@ -72,6 +73,54 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             run = []
     _flush(out, run, data_start, device)
     return out  # runs are flushed in file order: so are the spans
+
+
+@dataclasses.dataclass
+class HostScratch:
+    """Host memory that runs of small stored tensors are read into (one piece per run), and the
+    address in it of each one's bytes, for ``move_into`` once they are verified."""
+
+    pieces: list[Piece]
+    spans: list[tuple[int, int]]
+    names: list[str]  # the stored tensor of each span
+    sources: list[int]  # per span: the address of its bytes in the scratch memory
+    areas: list[mmap.mmap]  # the memory, held until the bytes are moved
+
+
+def host_scratch(infos: Sequence[TensorInfo], data_start: int) -> HostScratch:
+    """Scratch host memory for ``infos`` (small tensors with bytes, in file order): one
+    allocation per run of them back to back in the file (up to ``BLOCK`` bytes)."""
+    out = HostScratch([], [], [], [], [])
+    run: list[TensorInfo] = []
+    for t in infos:
+        if run and (t.begin != run[-1].end or t.end - run[0].begin > BLOCK):
+            _scratch_run(out, run, data_start)
+            run = []
+        run.append(t)
+    _scratch_run(out, run, data_start)
+    return out
+
+
+def _scratch_run(out: HostScratch, run: list[TensorInfo], data_start: int) -> None:
+    if not run:
+        return
+    begin, end = data_start + run[0].begin, data_start + run[-1].end
+    area, shift = host_area(end - begin, begin)
+    memory = torch.frombuffer(area, dtype=torch.uint8)[shift : shift + end - begin]
+    address = memory.data_ptr() - run[0].begin
+    out.areas.append(area)
+    out.pieces.append(Piece.of(memory, begin))
+    out.spans.extend((data_start + t.begin, data_start + t.end) for t in run)
+    out.names.extend(t.name for t in run)
+    out.sources.extend(address + t.begin for t in run)
+
+
+def move_into(destinations: Sequence[torch.Tensor], sources: Sequence[int]) -> None:
+    """Copy each source's bytes (an address in scratch host memory) into its destination (a
+    plain, contiguous host tensor of as many bytes): one C call each, no torch call."""
+    move = ctypes.memmove
+    for dst, src in zip(destinations, sources, strict=True):
+        move(dst.data_ptr(), src, dst.nbytes)
 
 
 def shared_below_on(device: torch.device) -> int:

@@ -340,19 +340,23 @@ class CheckpointReader:
         to None is read for its checksum only (not read without checksums), names not in
         ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C.
 
-        Small tensors bound for a GPU, into plain contiguous tensors of their dtype and shape,
-        are read as a whole load reads them: runs of them into a scratch allocation per device
-        (see ``_blocks``; at most ``GATHER_UP_TO`` bytes each), checksummed there, then copied
-        into their destinations with one call per device. Thousands of them cost one piece per
-        run instead of one each."""
+        Small tensors into plain contiguous tensors of their dtype and shape are read as a
+        whole load reads them: runs of them into scratch memory (see ``_blocks``; at most
+        ``GATHER_UP_TO`` bytes per device), checksummed there, then moved into their
+        destinations once verified: on a GPU with one copy call per device, in host memory
+        with one memmove each. Thousands of them cost one piece per run instead of one each,
+        and a checksum that fails leaves their destinations untouched."""
         check = checksum and self.header.crcs is not None
         start, crcs = self.header.data_start, self.header.crcs or itertools.repeat(0)
         with _gc.paused():
             gathered = _gathered(self.header.tensors, dests)
+            host = _blocks.host_scratch(gathered.pop(_CPU, []), start)
             runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in gathered.items()}
-            pieces: list[Piece] = [p for to in runs.values() for p in to.pieces]
-            spans = [(*span, name) for to in runs.values() for span, name in zip(to.spans, to.names, strict=True)]
-            taken = {name for to in runs.values() for name in to.tensors}
+            pieces: list[Piece] = [*host.pieces, *(p for to in runs.values() for p in to.pieces)]
+            spans = [(b, e, n) for (b, e), n in zip(host.spans, host.names, strict=True)]
+            for to in runs.values():
+                spans += [(b, e, n) for (b, e), n in zip(to.spans, to.names, strict=True)]
+            taken = {*host.names, *(name for to in runs.values() for name in to.tensors)}
             for t in self.header.tensors:
                 dst = dests.get(t.name, _SKIP) if t.end > t.begin else _SKIP  # no bytes: nothing to read or check
                 if isinstance(dst, torch.Tensor):
@@ -362,12 +366,14 @@ class CheckpointReader:
                 elif dst is None and check:
                     pieces.append(Piece.unread(t.nbytes, start + t.begin))
                     spans.append((start + t.begin, start + t.end, t.name))
-            if runs:  # each piece's bytes, or a run's tensors: checksums by span, in file order
+            gathering = bool(runs or host.pieces)
+            if gathering:  # each piece's bytes, or a run's tensors: checksums by span, in file order
                 spans.sort()
             by_name = dict(zip((t.name for t in self.header.tensors), crcs, strict=False))
-            stored = [(name, by_name[name]) for *_, name in spans]
-        got = self._run(pieces, check, progress, stream=stream, spans=[(b, e) for b, e, _ in spans] if runs else None)
-        self._compare(stored if check else [], got)
+            stored = [(name, by_name[name]) for _, _, name in spans] if check else []
+        got = self._run(pieces, check, progress, stream=stream, spans=[(b, e) for b, e, _ in spans] if gathering else None)
+        self._compare(stored, got)
+        _blocks.move_into([dests[n] for n in host.names], host.sources)  # type: ignore[misc]
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for to in runs.values():  # on the stream the engine handed its copies back to
                 torch._foreach_copy_([dests[n] for n in to.names], [to.tensors[n] for n in to.names])  # type: ignore[misc]
@@ -390,28 +396,37 @@ class CheckpointReader:
         self.close()
 
 
-GATHER_UP_TO = 256 << 20  # scratch bytes per GPU that ``stream`` may gather small tensors in
+GATHER_UP_TO = 256 << 20  # scratch bytes per device that ``stream`` may gather small tensors in
+_CPU = torch.device("cpu")
 
 
 def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Tensor | None]
               ) -> dict[torch.device, list[_header.TensorInfo]]:
-    """By GPU, the small stored tensors (in file order) whose destinations a scratch run can fill
-    with one copy call: plain, contiguous, of the stored dtype and shape. (On the CPU the engine
-    reads straight into each destination for about the same cost.)"""
+    """By device (the CPU, each GPU), the small stored tensors (in file order) whose
+    destinations a scratch run can fill: plain, contiguous, of the stored dtype and shape, and
+    in host memory without a conjugate or negative bit (their bytes are moved as they are)."""
     out: dict[int, list[_header.TensorInfo]] = {}
     room: dict[int, int] = {}
+    get, plain, small, strided = dests.get, PLAIN_TENSORS, _blocks.SMALL, torch.strided
     for t in infos:
-        dst = dests.get(t.name)
-        if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in PLAIN_TENSORS
-                or dst.dtype is not t.dtype or t.dtype in BYTE_COPIED or not dst.is_contiguous()
-                or dst.shape != t.shape):  # BYTE_COPIED: dtypes some torch releases cannot copy
+        dst = get(t.name)
+        nbytes = t.end - t.begin
+        if (dst is None or not 0 < nbytes < small or type(dst) not in plain or dst.dtype is not t.dtype
+                or not dst.is_contiguous() or dst.shape != t.shape):
             continue
-        gpu = dst.get_device()
-        left = room.get(gpu, GATHER_UP_TO) - t.nbytes
+        if dst.is_cpu:
+            if dst.layout is not strided or dst.is_conj() or dst.is_neg():
+                continue
+            where = -1
+        elif dst.is_cuda and t.dtype not in BYTE_COPIED:  # dtypes some torch releases cannot copy
+            where = dst.get_device()
+        else:
+            continue
+        left = room.get(where, GATHER_UP_TO) - nbytes
         if left >= 0:
-            room[gpu] = left
-            out.setdefault(gpu, []).append(t)
-    return {torch.device("cuda", gpu): run for gpu, run in out.items()}
+            room[where] = left
+            out.setdefault(where, []).append(t)
+    return {_CPU if where < 0 else torch.device("cuda", where): run for where, run in out.items()}
 
 
 class TensorSlice:
