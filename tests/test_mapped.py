@@ -376,7 +376,7 @@ def test_the_default_load_verifies_on_threads_and_in_the_callers_thread(tmp_path
     raw = path.read_bytes()
     start, header = header_of(path)
     for key in ("big3", "bias4", "norm0", "big5"):
-        lo, hi = header[key]["data_offsets"]
+        hi = header[key]["data_offsets"][1]
         damaged = bytearray(raw)
         damaged[start + hi - 1] ^= 0x40
         path.write_bytes(damaged)

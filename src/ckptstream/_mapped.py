@@ -144,12 +144,7 @@ def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
     that holds the GIL for long never keeps another from its next large piece for long.
     """
     parts = _pieces(spans)
-    large = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo >= RELEASES_GIL]
-    if sum(parts[k][2] - parts[k][1] for k in large) < THREADED_FROM:
-        nthreads = 1
-    small = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo < RELEASES_GIL] if nthreads > 1 else []
-    tasks = _tasks(parts, large if nthreads > 1 else range(len(parts)), TASK)
-    nthreads = max(1, min(nthreads, len(tasks)))
+    small, tasks, nthreads = _shares(parts, nthreads)
     crcs = [0] * len(parts)
     view = memoryview(mapping.buffer).cast("B")
     stop = threading.Event()
@@ -197,10 +192,8 @@ def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
         control.join(started, on_interrupt=stop.set)  # each worker stops after its current piece
     if errors:
         raise errors[0]
-    values = [0] * len(spans)
-    for (i, lo, hi), crc in zip(parts, crcs, strict=True):
-        values[i] = _checksum.combine(values[i], crc, hi - lo)
-    return values, out
+    folded = [(i, crc, hi - lo) for (i, lo, hi), crc in zip(parts, crcs, strict=True)]
+    return _checksum.span_crcs(len(spans), [folded]), out
 
 
 def _pieces(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -212,6 +205,17 @@ def _pieces(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             parts.extend((i, p, min(p + PIECE, hi)) for p in range(lo, hi, PIECE))
     return parts
+
+
+def _shares(parts: Sequence[tuple[int, int, int]], nthreads: int) -> tuple[list[int], list[list[int]], int]:
+    """The parts that the caller's thread checksums alone (the small ones, where threads run),
+    the tasks that any thread takes, and how many threads run (the caller's included)."""
+    large = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo >= RELEASES_GIL]
+    if nthreads < 2 or sum(parts[k][2] - parts[k][1] for k in large) < THREADED_FROM:
+        return [], _tasks(parts, range(len(parts)), TASK), 1
+    small = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo < RELEASES_GIL]
+    tasks = _tasks(parts, large, TASK)
+    return small, tasks, min(nthreads, len(tasks))
 
 
 def _tasks(parts: Sequence[tuple[int, int, int]], ks: Iterable[int], size: int) -> list[list[int]]:

@@ -371,7 +371,8 @@ class CheckpointReader:
                 spans.sort()
             by_name = dict(zip((t.name for t in self.header.tensors), crcs, strict=False))
             stored = [(name, by_name[name]) for _, _, name in spans] if check else []
-        got = self._run(pieces, check, progress, stream=stream, spans=[(b, e) for b, e, _ in spans] if gathering else None)
+        by_span = [(b, e) for b, e, _ in spans] if gathering else None
+        got = self._run(pieces, check, progress, stream=stream, spans=by_span)
         self._compare(stored, got)
         _blocks.move_into([dests[n] for n in host.names], host.sources)  # type: ignore[misc]
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
