@@ -55,28 +55,35 @@ def test_fills_tensors_in_place(device: torch.device, place: Place) -> None:
     assert target["step"] == 0  # the given structure itself is not modified
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("buffer_size", [4096, 16 << 20], ids=["4k", "16m"])
-def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path, buffer_size: int) -> None:
-    """Small tensors bound for a GPU go through a scratch run and one copy call: every target
-    (plain, Parameter, non-contiguous, large, of every dtype) keeps its memory and gets exact
-    bytes; a corrupt byte is named by its tensor, and the gathered targets are left as they were."""
-    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64]
-    state: dict[str, Any] = {f"s{i}": random_tensor((i % 9 + 1, 3) if i % 3 else (i % 17 + 1,), dtypes[i % 6], "cuda")
+def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.device, tmp_path: Path,
+                                                             buffer_size: int) -> None:
+    """Small tensors go through a scratch run (on a GPU one copy call, in host memory one move
+    each): every target (plain, Parameter, a view inside a larger storage, non-contiguous,
+    large, of every dtype, 0-d, empty) keeps its memory and gets exact bytes; a corrupt byte is
+    named by its tensor, and the gathered targets are left as they were."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64, torch.float8_e4m3fn]
+    state: dict[str, Any] = {f"s{i}": random_tensor((i % 9 + 1, 3) if i % 3 else (i % 17 + 1,), dtypes[i % 7], device)
                              for i in range(2000)}
-    state["p"] = nn.Parameter(random_tensor((300,), torch.float32, "cuda"))
-    state["t"] = random_tensor((40, 30), torch.float16, "cuda").t()  # non-contiguous: streamed on its own
-    state["big"] = random_tensor((300_000,), torch.float32, "cuda")
+    state["zero_d"] = random_tensor((), torch.int32, device)
+    state["empty"] = random_tensor((0, 4), torch.float32, device)
+    state["p"] = nn.Parameter(random_tensor((300,), torch.float32, device))
+    state["inside"] = random_tensor((77,), torch.float16, device)
+    state["t"] = random_tensor((40, 30), torch.float16, device).t()  # non-contiguous: streamed on its own
+    state["big"] = random_tensor((300_000,), torch.float32, device)
     path = tmp_path / "small.safetensors"
     ckptstream.save(state, path)
     targets = {k: poisoned_like(v) for k, v in state.items()}
     targets["p"] = nn.Parameter(poisoned_like(state["p"]))
-    targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device="cuda")).t()
+    around = poisoned_like(torch.empty(100, dtype=torch.float16, device=device))
+    targets["inside"] = around[11:88]  # contiguous, at an offset into a larger storage
+    targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device=device)).t()
     where = {k: v.data_ptr() for k, v in targets.items()}
     ckptstream.load_into(targets, path, buffer_size=buffer_size)
     for k, v in state.items():
         assert targets[k].data_ptr() == where[k], k
         assert_bytes_equal(targets[k], v)
+    assert is_poisoned(around[:11]) and is_poisoned(around[88:])  # the bytes around are untouched
     flip_last_byte(path, "s1234")
     with torch.no_grad():
         for v in targets.values():
@@ -85,6 +92,7 @@ def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path,
         ckptstream.load_into(targets, path, buffer_size=buffer_size)
     assert is_poisoned(targets["s1234"])
     assert is_poisoned(targets["s5"])
+    assert_bytes_equal(targets["big"], state["big"])  # streamed straight in: the file's (sound) bytes
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513])
