@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -61,6 +60,23 @@ class TensorEntry:
     def nbytes(self) -> int:
         """The tensor's own bytes (a view may use fewer than its stored blob holds)."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+_new, _set = object.__new__, object.__setattr__
+
+
+def _entry(path: KeyPath, dtype: torch.dtype, shape: tuple[int, ...], stored_as: str, offset: int, end: int,
+           checksum: int | None, view: View | None) -> TensorEntry:
+    """``TensorEntry(key_str(path), path, ...)``, made without the frozen dataclass's __init__
+    (one setattr per field): an index of many thousands of tensors is made on every load_into."""
+    try:
+        key = ".".join(path) if path else "<root>"  # type: ignore[arg-type]
+    except TypeError:  # an int key
+        key = key_str(path)
+    entry = _new(TensorEntry)
+    _set(entry, "__dict__", {"key": key, "path": path, "dtype": dtype, "shape": shape, "stored_as": stored_as,
+                             "offset": offset, "end": end, "checksum": checksum, "view": view})
+    return entry
 
 
 def as_device(device: Device) -> torch.device:
@@ -120,13 +136,18 @@ class CheckpointReader:
         h, s = self.header, self._structure
         infos = {t.name: t for t in h.tensors}
         crcs = dict(zip(infos, h.crcs, strict=True)) if h.crcs is not None else {}
+        start, views, stored_as = h.data_start, s.views, s.tensors
         entries = {}
         for path in s.paths:
-            view = s.views.get(path)
-            info = infos[view.base if view is not None else s.tensors[path]]
-            dtype, shape = (view.dtype, view.shape) if view is not None else (info.dtype, info.shape)
-            entries[path] = TensorEntry(key_str(path), path, dtype, shape, info.name, h.data_start + info.begin,
-                                        h.data_start + info.end, crcs.get(info.name), view)
+            view = views.get(path)
+            if view is None:
+                info = infos[stored_as[path]]
+                dtype, shape = info.dtype, info.shape
+            else:
+                info = infos[view.base]
+                dtype, shape = view.dtype, view.shape
+            entries[path] = _entry(path, dtype, shape, info.name, start + info.begin, start + info.end,
+                                   crcs.get(info.name), view)
         return entries
 
     @functools.cached_property
@@ -347,34 +368,15 @@ class CheckpointReader:
         with one memmove each. Thousands of them cost one piece per run instead of one each,
         and a checksum that fails leaves their destinations untouched."""
         check = checksum and self.header.crcs is not None
-        start, crcs = self.header.data_start, self.header.crcs or itertools.repeat(0)
         with _gc.paused():
-            gathered = _gathered(self.header.tensors, dests)
-            host = _blocks.host_scratch(gathered.pop(_CPU, []), start)
-            runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in gathered.items()}
-            pieces: list[Piece] = [*host.pieces, *(p for to in runs.values() for p in to.pieces)]
-            spans = [(b, e, n) for (b, e), n in zip(host.spans, host.names, strict=True)]
-            for to in runs.values():
-                spans += [(b, e, n) for (b, e), n in zip(to.spans, to.names, strict=True)]
-            taken = {*host.names, *(name for to in runs.values() for name in to.tensors)}
-            for t in self.header.tensors:
-                dst = dests.get(t.name, _SKIP) if t.end > t.begin else _SKIP  # no bytes: nothing to read or check
-                if isinstance(dst, torch.Tensor):
-                    if t.name not in taken:
-                        pieces.append(Piece.of(dst, start + t.begin))
-                        spans.append((start + t.begin, start + t.end, t.name))
-                elif dst is None and check:
-                    pieces.append(Piece.unread(t.nbytes, start + t.begin))
-                    spans.append((start + t.begin, start + t.end, t.name))
-            gathering = bool(runs or host.pieces)
-            if gathering:  # each piece's bytes, or a run's tensors: checksums by span, in file order
-                spans.sort()
-            by_name = dict(zip((t.name for t in self.header.tensors), crcs, strict=False))
-            stored = [(name, by_name[name]) for _, _, name in spans] if check else []
-        by_span = [(b, e) for b, e, _ in spans] if gathering else None
-        got = self._run(pieces, check, progress, stream=stream, spans=by_span)
-        self._compare(stored, got)
-        _blocks.move_into([dests[n] for n in host.names], host.sources)  # type: ignore[misc]
+            plan = _plan_stream(self.header, dests, check)
+            host = _blocks.host_scratch(plan.host, self.header.data_start)
+            runs = {dev: _blocks.arrange(infos, self.header.data_start, dev) for dev, infos in plan.gpu.items()}
+            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *plan.pieces]
+        gathering = bool(runs or host.pieces)  # checksums by span (each piece's bytes, or a run's tensors)
+        got = self._run(pieces, check, progress, stream=stream, spans=plan.spans if gathering else None)
+        self._compare(plan.stored, got)
+        _blocks.move_into(plan.host_dests, host.sources)
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for to in runs.values():  # on the stream the engine handed its copies back to
                 torch._foreach_copy_([dests[n] for n in to.names], [to.tensors[n] for n in to.names])  # type: ignore[misc]
@@ -398,36 +400,62 @@ class CheckpointReader:
 
 
 GATHER_UP_TO = 256 << 20  # scratch bytes per device that ``stream`` may gather small tensors in
-_CPU = torch.device("cpu")
 
 
-def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Tensor | None]
-              ) -> dict[torch.device, list[_header.TensorInfo]]:
-    """By device (the CPU, each GPU), the small stored tensors (in file order) whose
-    destinations a scratch run can fill: plain, contiguous, of the stored dtype and shape, and
-    in host memory without a conjugate or negative bit (their bytes are moved as they are)."""
-    out: dict[int, list[_header.TensorInfo]] = {}
-    room: dict[int, int] = {}
+@dataclasses.dataclass
+class _StreamPlan:
+    """What ``stream`` reads, by one pass over the stored tensors in file order: the small ones
+    that go through scratch memory (``host``, with their destinations, and ``gpu`` by device),
+    the pieces of the others (straight into their destinations, or read for their checksums
+    only), and every tensor's span and stored CRC-32C, in file order."""
+
+    host: list[_header.TensorInfo] = dataclasses.field(default_factory=list)
+    host_dests: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    gpu: dict[torch.device, list[_header.TensorInfo]] = dataclasses.field(default_factory=dict)
+    pieces: list[Piece] = dataclasses.field(default_factory=list)
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    stored: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # empty without checksums
+
+
+def _plan_stream(header: Header, dests: Mapping[str, torch.Tensor | None], check: bool) -> _StreamPlan:
+    """Which way each stored tensor of ``dests`` goes. Small tensors whose destinations a
+    scratch run can fill (plain, contiguous, of the stored dtype and shape; in host memory
+    without a conjugate or negative bit, as their bytes are moved as they are) are gathered, up
+    to ``GATHER_UP_TO`` bytes per device; no bytes: nothing to read or check."""
+    plan = _StreamPlan()
+    start, crcs = header.data_start, header.crcs
+    room: dict[torch.device, int] = {}
     get, plain, small, strided = dests.get, PLAIN_TENSORS, _blocks.SMALL, torch.strided
-    for t in infos:
-        dst = get(t.name)
+    pieces, spans, stored = plan.pieces, plan.spans, plan.stored
+    host_room = GATHER_UP_TO
+    for i, t in enumerate(header.tensors):
         nbytes = t.end - t.begin
-        if (dst is None or not 0 < nbytes < small or type(dst) not in plain or dst.dtype is not t.dtype
-                or not dst.is_contiguous() or dst.shape != t.shape):
+        dst = get(t.name, _SKIP) if nbytes else _SKIP
+        if dst is _SKIP or (dst is None and not check):
             continue
-        if dst.is_cpu:
-            if dst.layout is not strided or dst.is_conj() or dst.is_neg():
-                continue
-            where = -1
-        elif dst.is_cuda and t.dtype not in BYTE_COPIED:  # dtypes some torch releases cannot copy
-            where = dst.get_device()
-        else:
+        spans.append((start + t.begin, start + t.end))
+        if check:
+            stored.append((t.name, crcs[i]))  # type: ignore[index]
+        if not isinstance(dst, torch.Tensor):  # None: read for its checksum only
+            pieces.append(Piece.unread(nbytes, start + t.begin))
             continue
-        left = room.get(where, GATHER_UP_TO) - nbytes
-        if left >= 0:
-            room[where] = left
-            out.setdefault(where, []).append(t)
-    return {_CPU if where < 0 else torch.device("cuda", where): run for where, run in out.items()}
+        if (nbytes < small and type(dst) in plain and dst.dtype is t.dtype and dst.is_contiguous()
+                and dst.shape == t.shape):
+            if dst.is_cpu:
+                if host_room >= nbytes and dst.layout is strided and not dst.is_conj() and not dst.is_neg():
+                    host_room -= nbytes
+                    plan.host.append(t)
+                    plan.host_dests.append(dst)
+                    continue
+            elif dst.is_cuda and t.dtype not in BYTE_COPIED:  # dtypes some torch releases cannot copy
+                where = dst.device
+                left = room.get(where, GATHER_UP_TO) - nbytes
+                if left >= 0:
+                    room[where] = left
+                    plan.gpu.setdefault(where, []).append(t)
+                    continue
+        pieces.append(Piece.of(dst, start + t.begin))
+    return plan
 
 
 class TensorSlice:
