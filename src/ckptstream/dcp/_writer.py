@@ -16,10 +16,12 @@ torch 2.9+ needs to recognise it; torch 2.4-2.8 ask the writer itself to stage).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import threading
 import uuid
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -79,10 +81,13 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self._staged = threading.Event()
         self._staged.set()
         self._captured: tuple[int, Captured] | None = None  # (staging thread, capture) of the last stage()
+        self._planning = _PlanningPause()
+        weakref.finalize(self, self._planning.end)
 
     # --- planning ------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._planning.end()  # a save whose planning failed never got to write_data
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = str(uuid.uuid4())
@@ -93,6 +98,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._planning.start()  # DCP plans next (see _PlanningPause); write_data ends it
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _rankfile.check_items(plan.items)
@@ -116,6 +122,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     # --- writing -------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._planning.end()
         try:
             results = self._write(plan, planner)
         finally:
@@ -201,13 +208,42 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         """DCP's process executor pickles the writer: without its event and CUDA ordering point,
         which belong to this process."""
         state = dict(self.__dict__)
-        state["_staged"], state["_captured"] = None, None
+        state["_staged"], state["_captured"], state["_planning"] = None, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._staged = threading.Event()
         self._staged.set()
+        self._planning = _PlanningPause()
+        weakref.finalize(self, self._planning.end)
+
+
+class _PlanningPause:
+    """The process's objects set aside from Python's cyclic collector (``gc.freeze``) while DCP
+    plans a save, from ``set_up_storage_writer`` to ``write_data``. Planning makes a few objects
+    per chunk on every rank, and with several ranks the coordinator unpickles every rank's plan
+    and the others the global plan: thousands of objects at once, which start full collections,
+    and a full collection scans every object of the process (a training job's millions). Frozen,
+    those are not scanned, while the planning's own objects are collected as usual.
+
+    A save whose planning fails never reaches ``write_data``: the writer's next ``reset`` (the
+    next save or load with it) or its end thaws them; until then a cycle among the objects that
+    were frozen is not collected (nothing else is held back). A process that froze objects
+    itself (``gc.get_freeze_count()`` not 0) is left alone."""
+
+    def __init__(self) -> None:
+        self._frozen = False
+
+    def start(self) -> None:
+        if not self._frozen and gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._frozen = True
+
+    def end(self) -> None:
+        if self._frozen:
+            self._frozen = False
+            gc.unfreeze()
 
 
 def _remove_durably(directory: str, names: list[str]) -> None:
