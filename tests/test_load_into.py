@@ -96,6 +96,35 @@ def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.devic
     assert_bytes_equal(targets["big"], state["big"])  # streamed straight in: the file's (sound) bytes
 
 
+def test_small_host_tensors_gather_in_runs_and_alone_stream_straight(tmp_path: Path) -> None:
+    """Small host tensors back to back in the file go through scratch memory and are moved in
+    once verified; one alone between large ones (a run of one gains nothing) streams straight
+    into its target, as large ones do: after a failed checksum, the run's targets keep their
+    old bytes and the others hold the file's."""
+    # the file orders tensors by element size, then dtype and name: as listed here
+    state = {"a_big": random_tensor((40_000,)), "b_lone": random_tensor((33,)), "c_big": random_tensor((50_000,)),
+             "d_run": random_tensor((7, 3), torch.bfloat16), "e_run": random_tensor((100,), torch.int16),
+             "f_run": random_tensor((5,), torch.uint8)}
+    path = tmp_path / "runs.safetensors"
+    ckptstream.save(state, path)
+    with ckptstream.open(path) as reader:
+        assert [t.name for t in reader.header.tensors] == list(state)
+    targets = {k: poisoned_like(v) for k, v in state.items()}
+    ckptstream.load_into(targets, path)
+    for k, v in state.items():
+        assert_bytes_equal(targets[k], v)
+    flip_last_byte(path, "c_big")
+    with torch.no_grad():
+        for v in targets.values():
+            poison(v)
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'c_big' fails its CRC-32C"):
+        ckptstream.load_into(targets, path)
+    for k in ("d_run", "e_run", "f_run"):
+        assert is_poisoned(targets[k]), k  # moved in only after the checks
+    assert_bytes_equal(targets["b_lone"], state["b_lone"])  # streamed straight: the file's (sound) bytes
+    assert_bytes_equal(targets["a_big"], state["a_big"])
+
+
 @pytest.mark.parametrize("buffer_size", [None, 513])
 def test_non_contiguous_targets(device: torch.device, place: Place, buffer_size: int | None) -> None:
     """Views into larger storages are filled in place; the bytes around them stay as they were."""

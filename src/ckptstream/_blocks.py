@@ -30,6 +30,9 @@ from ._engine import Piece
 from ._header import TensorInfo, empty_tensor
 
 SMALL = 1 << 20  # device tensors below share allocations
+# Host tensors below this are gathered by ``host_scratch``: below it a piece of its own costs the
+# read engine more than the copy from scratch memory; above, the copy costs more.
+HOST_SMALL = 16 << 10
 BLOCK = 64 << 20  # the most bytes one shared allocation spans; host tensors below share
 HUGE = 2 << 20  # host allocations from this size are advised for huge pages
 PAGE = mmap.PAGESIZE
@@ -77,42 +80,46 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
 
 @dataclasses.dataclass
 class HostScratch:
-    """Host memory that runs of small stored tensors are read into (one piece per run), and the
-    address in it of each one's bytes, for ``move_into`` once they are verified."""
+    """Host memory that runs of small stored tensors are read into (one piece per run), and
+    where in it each one's bytes are, for ``move_into`` once they are verified; the tensors of
+    runs of one, which gain nothing from it, go straight to their destinations (``alone``)."""
 
     pieces: list[Piece]
-    spans: list[tuple[int, int]]
-    names: list[str]  # the stored tensor of each span
-    sources: list[int]  # per span: the address of its bytes in the scratch memory
-    areas: list[mmap.mmap]  # the memory, held until the bytes are moved
+    dests: list[torch.Tensor]  # of the tensors moved in, in file order
+    sources: list[int]  # per destination: the address of its bytes in the memory
+    alone: list[tuple[TensorInfo, torch.Tensor]]
+    area: mmap.mmap | None  # the memory, held until the bytes are moved
 
 
-def host_scratch(infos: Sequence[TensorInfo], data_start: int) -> HostScratch:
-    """Scratch host memory for ``infos`` (small tensors with bytes, in file order): one
-    allocation per run of them back to back in the file (up to ``BLOCK`` bytes)."""
-    out = HostScratch([], [], [], [], [])
-    run: list[TensorInfo] = []
-    for t in infos:
-        if run and (t.begin != run[-1].end or t.end - run[0].begin > BLOCK):
-            _scratch_run(out, run, data_start)
-            run = []
-        run.append(t)
-    _scratch_run(out, run, data_start)
+def host_scratch(infos: Sequence[TensorInfo], dests: Sequence[torch.Tensor], data_start: int) -> HostScratch:
+    """Scratch host memory for ``infos`` (small tensors with bytes, in file order, bound for
+    ``dests``): one allocation for the runs of them back to back in the file (up to ``BLOCK``
+    bytes), a piece per run, each placed where memory and file agree modulo the page size."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(infos):
+        if runs and t.begin == infos[runs[-1][-1]].end and t.end - infos[runs[-1][0]].begin <= BLOCK:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    out = HostScratch([], [], [], [(infos[run[0]], dests[run[0]]) for run in runs if len(run) == 1], None)
+    runs = [run for run in runs if len(run) > 1]
+    places, size = [], 0
+    for run in runs:
+        lo, hi = infos[run[0]].begin, infos[run[-1]].end
+        at = size + (data_start + lo - size) % PAGE
+        places.append(at)
+        size = at + hi - lo
+    if not runs:
+        return out
+    out.area, _ = host_area(size, 0)
+    memory = torch.frombuffer(out.area, dtype=torch.uint8)
+    base = memory.data_ptr()
+    for run, at in zip(runs, places, strict=True):
+        first = infos[run[0]].begin
+        out.pieces.append(Piece.of(memory[at : at + infos[run[-1]].end - first], data_start + first))
+        out.dests.extend(dests[i] for i in run)
+        out.sources.extend(base + at + infos[i].begin - first for i in run)
     return out
-
-
-def _scratch_run(out: HostScratch, run: list[TensorInfo], data_start: int) -> None:
-    if not run:
-        return
-    begin, end = data_start + run[0].begin, data_start + run[-1].end
-    area, shift = host_area(end - begin, begin)
-    memory = torch.frombuffer(area, dtype=torch.uint8)[shift : shift + end - begin]
-    address = memory.data_ptr() - run[0].begin
-    out.areas.append(area)
-    out.pieces.append(Piece.of(memory, begin))
-    out.spans.extend((data_start + t.begin, data_start + t.end) for t in run)
-    out.names.extend(t.name for t in run)
-    out.sources.extend(address + t.begin for t in run)
 
 
 def move_into(destinations: Sequence[torch.Tensor], sources: Sequence[int]) -> None:

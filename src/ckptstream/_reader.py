@@ -370,13 +370,15 @@ class CheckpointReader:
         check = checksum and self.header.crcs is not None
         with _gc.paused():
             plan = _plan_stream(self.header, dests, check)
-            host = _blocks.host_scratch(plan.host, self.header.data_start)
-            runs = {dev: _blocks.arrange(infos, self.header.data_start, dev) for dev, infos in plan.gpu.items()}
-            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *plan.pieces]
-        gathering = bool(runs or host.pieces)  # checksums by span (each piece's bytes, or a run's tensors)
+            start = self.header.data_start
+            host = _blocks.host_scratch(plan.host, plan.host_dests, start)
+            runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in plan.gpu.items()}
+            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *plan.pieces,
+                      *(Piece.of(dst, start + t.begin) for t, dst in host.alone)]
+        gathering = bool(runs or host.pieces or host.alone)  # checksums by span (each piece's, or a run's tensors)
         got = self._run(pieces, check, progress, stream=stream, spans=plan.spans if gathering else None)
         self._compare(plan.stored, got)
-        _blocks.move_into(plan.host_dests, host.sources)
+        _blocks.move_into(host.dests, host.sources)
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for to in runs.values():  # on the stream the engine handed its copies back to
                 torch._foreach_copy_([dests[n] for n in to.names], [to.tensors[n] for n in to.names])  # type: ignore[misc]
@@ -420,12 +422,13 @@ class _StreamPlan:
 def _plan_stream(header: Header, dests: Mapping[str, torch.Tensor | None], check: bool) -> _StreamPlan:
     """Which way each stored tensor of ``dests`` goes. Small tensors whose destinations a
     scratch run can fill (plain, contiguous, of the stored dtype and shape; in host memory
-    without a conjugate or negative bit, as their bytes are moved as they are) are gathered, up
-    to ``GATHER_UP_TO`` bytes per device; no bytes: nothing to read or check."""
+    without a conjugate or negative bit, as their bytes are moved as they are) are gathered:
+    below ``_blocks.SMALL`` bytes on a GPU, ``_blocks.HOST_SMALL`` in host memory, up to
+    ``GATHER_UP_TO`` bytes per device. No bytes: nothing to read or check."""
     plan = _StreamPlan()
     start, crcs = header.data_start, header.crcs
     room: dict[torch.device, int] = {}
-    get, plain, small, strided = dests.get, PLAIN_TENSORS, _blocks.SMALL, torch.strided
+    get, plain, small, host_small, strided = dests.get, PLAIN_TENSORS, _blocks.SMALL, _blocks.HOST_SMALL, torch.strided
     pieces, spans, stored = plan.pieces, plan.spans, plan.stored
     host_room = GATHER_UP_TO
     for i, t in enumerate(header.tensors):
@@ -442,7 +445,8 @@ def _plan_stream(header: Header, dests: Mapping[str, torch.Tensor | None], check
         if (nbytes < small and type(dst) in plain and dst.dtype is t.dtype and dst.is_contiguous()
                 and dst.shape == t.shape):
             if dst.is_cpu:
-                if host_room >= nbytes and dst.layout is strided and not dst.is_conj() and not dst.is_neg():
+                if (nbytes < host_small and host_room >= nbytes and dst.layout is strided and not dst.is_conj()
+                        and not dst.is_neg()):
                     host_room -= nbytes
                     plan.host.append(t)
                     plan.host_dests.append(dst)
