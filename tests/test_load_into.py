@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ckptstream
-from ckptstream import _load_into
+from ckptstream import _blocks, _load_into
 from ckptstream._header import DTYPE_NAMES
 from ckptstream._structure import KeyPath
 from helpers import (
@@ -96,15 +96,19 @@ def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.devic
     assert_bytes_equal(targets["big"], state["big"])  # streamed straight in: the file's (sound) bytes
 
 
-def test_small_host_tensors_gather_in_runs_and_alone_stream_straight(tmp_path: Path) -> None:
-    """Small host tensors back to back in the file go through scratch memory and are moved in
-    once verified; one alone between large ones (a run of one gains nothing) streams straight
-    into its target, as large ones do: after a failed checksum, the run's targets keep their
-    old bytes and the others hold the file's."""
+@pytest.mark.parametrize("with_run", [True, False], ids=["a_long_run", "short_runs_only"])
+def test_small_host_tensors_gather_in_long_runs_and_others_stream_straight(tmp_path: Path, with_run: bool) -> None:
+    """Small host tensors in a run of at least HOST_RUN back to back in the file go through
+    scratch memory and are moved in once verified; those in shorter runs (between large ones)
+    stream straight into their targets, as large ones do: after a failed checksum, the long
+    run's targets keep their old bytes and the others hold the file's. Without a long run every
+    tensor is one piece, checked in file order."""
     # the file orders tensors by element size, then dtype and name: as listed here
     state = {"a_big": random_tensor((40_000,)), "b_lone": random_tensor((33,)), "c_big": random_tensor((50_000,)),
-             "d_run": random_tensor((7, 3), torch.bfloat16), "e_run": random_tensor((100,), torch.int16),
-             "f_run": random_tensor((5,), torch.uint8)}
+             "d0": random_tensor((7, 3), torch.bfloat16), "d1": random_tensor((9,), torch.bfloat16),
+             "d_big": random_tensor((60_000,), torch.bfloat16)}
+    run = [f"e{i}" for i in range(_blocks.HOST_RUN)] if with_run else []
+    state.update({k: random_tensor((10 + i,), torch.int16) for i, k in enumerate(run)})
     path = tmp_path / "runs.safetensors"
     ckptstream.save(state, path)
     with ckptstream.open(path) as reader:
@@ -119,10 +123,14 @@ def test_small_host_tensors_gather_in_runs_and_alone_stream_straight(tmp_path: P
             poison(v)
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'c_big' fails its CRC-32C"):
         ckptstream.load_into(targets, path)
-    for k in ("d_run", "e_run", "f_run"):
+    for k in run:
         assert is_poisoned(targets[k]), k  # moved in only after the checks
-    assert_bytes_equal(targets["b_lone"], state["b_lone"])  # streamed straight: the file's (sound) bytes
-    assert_bytes_equal(targets["a_big"], state["a_big"])
+    for k in ("a_big", "b_lone", "d0", "d1"):  # streamed straight: the file's (sound) bytes
+        assert_bytes_equal(targets[k], state[k])
+    ckptstream.save(state, path)
+    flip_last_byte(path, "d1")
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'d1' fails its CRC-32C"):
+        ckptstream.load_into(targets, path)
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513])

@@ -30,9 +30,12 @@ from ._engine import Piece
 from ._header import TensorInfo, empty_tensor
 
 SMALL = 1 << 20  # device tensors below share allocations
-# Host tensors below this are gathered by ``host_scratch``: below it a piece of its own costs the
-# read engine more than the copy from scratch memory; above, the copy costs more.
+# Host tensors below this are gathered by ``host_scratch``, in runs of at least HOST_RUN back to
+# back in the file: there a piece of its own costs the read engine more than the copy from scratch
+# memory; a larger tensor costs more to copy, and a few in a run save less than the checksums by
+# span (which the runs need) cost the other pieces of the read.
 HOST_SMALL = 16 << 10
+HOST_RUN = 8
 BLOCK = 64 << 20  # the most bytes one shared allocation spans; host tensors below share
 HUGE = 2 << 20  # host allocations from this size are advised for huge pages
 PAGE = mmap.PAGESIZE
@@ -82,7 +85,7 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
 class HostScratch:
     """Host memory that runs of small stored tensors are read into (one piece per run), and
     where in it each one's bytes are, for ``move_into`` once they are verified; the tensors of
-    runs of one, which gain nothing from it, go straight to their destinations (``alone``)."""
+    runs shorter than HOST_RUN go straight to their destinations (``alone``)."""
 
     pieces: list[Piece]
     dests: list[torch.Tensor]  # of the tensors moved in, in file order
@@ -101,8 +104,8 @@ def host_scratch(infos: Sequence[TensorInfo], dests: Sequence[torch.Tensor], dat
             runs[-1].append(i)
         else:
             runs.append([i])
-    out = HostScratch([], [], [], [(infos[run[0]], dests[run[0]]) for run in runs if len(run) == 1], None)
-    runs = [run for run in runs if len(run) > 1]
+    out = HostScratch([], [], [], [(infos[i], dests[i]) for run in runs if len(run) < HOST_RUN for i in run], None)
+    runs = [run for run in runs if len(run) >= HOST_RUN]
     places, size = [], 0
     for run in runs:
         lo, hi = infos[run[0]].begin, infos[run[-1]].end

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import math
+import operator
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -373,9 +375,12 @@ class CheckpointReader:
             start = self.header.data_start
             host = _blocks.host_scratch(plan.host, plan.host_dests, start)
             runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in plan.gpu.items()}
-            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *plan.pieces,
-                      *(Piece.of(dst, start + t.begin) for t, dst in host.alone)]
-        gathering = bool(runs or host.pieces or host.alone)  # checksums by span (each piece's, or a run's tensors)
+            # the others one piece each, in file order as plan.stored is (without spans the engine
+            # gives one checksum per piece)
+            alone = [Piece.of(dst, start + t.begin) for t, dst in host.alone]
+            direct = list(heapq.merge(plan.pieces, alone, key=operator.attrgetter("offset"))) if alone else plan.pieces
+            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *direct]
+        gathering = bool(runs or host.pieces)  # checksums by span (each piece's, or a run's tensors)
         got = self._run(pieces, check, progress, stream=stream, spans=plan.spans if gathering else None)
         self._compare(plan.stored, got)
         _blocks.move_into(host.dests, host.sources)

@@ -51,14 +51,15 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, bytes, Head
 @pytest.fixture(params=["gathered", "straight"])
 def gathering(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether load_into reads every small host tensor into scratch runs (the host threshold
-    raised to the GPU's, so that all of this module's contiguous tensors are gathered: each
-    lies in a run of several) or, with the thresholds at one byte, streams every tensor
-    straight into its target."""
+    raised to the GPU's and runs of any length taken, so that all of this module's contiguous
+    tensors are gathered) or, with the thresholds at one byte, streams every tensor straight
+    into its target."""
     if request.param == "straight":
         monkeypatch.setattr(_blocks, "SMALL", 1)
         monkeypatch.setattr(_blocks, "HOST_SMALL", 1)
     else:
         monkeypatch.setattr(_blocks, "HOST_SMALL", _blocks.SMALL)
+        monkeypatch.setattr(_blocks, "HOST_RUN", 1)
     return bool(request.param == "gathered")
 
 
