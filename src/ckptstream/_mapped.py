@@ -59,7 +59,8 @@ def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
         raw = torch.frombuffer(region.buffer, dtype=torch.uint8, count=info.nbytes, offset=at).clone()
         return raw.view(info.dtype).view(info.shape)
     count = info.nbytes // info.dtype.itemsize
-    return torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at).view(info.shape)
+    flat = torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at)
+    return flat if len(info.shape) == 1 else flat.view(info.shape)  # a view call costs states of many small ones
 
 
 def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[[dict[str, torch.Tensor]], T], *,
