@@ -132,12 +132,13 @@ class CollectorProbe(dcp.DefaultSavePlanner):
 
 
 def frozen_while_planning(ctx: Ctx, state: dict[str, Any]) -> None:
-    """The process's objects are frozen from the writer's set-up to its write on every rank (the
-    coordinator unpickles the ranks' plans in between), thawed for the write and after."""
+    """The process's objects are frozen from the writer's set-up through the planning and the
+    write on every rank (the coordinator unpickles the ranks' plans, then their results), and
+    thawed when the save returns."""
     probe = CollectorProbe()
     assert gc.get_freeze_count() == 0
     dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "probed"), planner=probe)
-    want = {"local": True, "finish": True, "write": False, **({"global": True} if ctx.rank == 0 else {})}
+    want = {"local": True, "finish": True, "write": True, **({"global": True} if ctx.rank == 0 else {})}
     assert probe.frozen == want, (ctx.rank, probe.frozen)
     assert gc.get_freeze_count() == 0, "objects stayed frozen after the save"
 

@@ -245,10 +245,10 @@ class FreezeProbe(dcp.DefaultSavePlanner):
 
 
 def test_the_process_is_frozen_while_dcp_plans_and_thawed_after(tmp_path: Path) -> None:
-    """From the writer's set-up to its write the process's objects are out of the cyclic
-    collector's scans (gc.freeze), and in them again after; a save whose planning fails never
-    writes, so the writer's next reset, or its end, thaws them; a process that froze objects
-    itself is left alone."""
+    """From the writer's set-up to the end of its finish (of its write, on a rank that is not
+    the coordinator) the process's objects are out of the cyclic collector's scans (gc.freeze),
+    and in them again after; a save whose planning fails never gets there, so the writer's next
+    reset, or its end, thaws them; a process that froze objects itself is left alone."""
     state = {"w": torch.randn(300, 7)}
     assert gc.get_freeze_count() == 0
     writer, probe = StreamWriter(tmp_path / "ckpt"), FreezeProbe()

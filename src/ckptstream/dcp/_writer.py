@@ -98,7 +98,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
-        self._planning.start()  # DCP plans next (see _PlanningPause); write_data ends it
+        self._planning.start()  # DCP plans next (see _PlanningPause); write_data or finish ends it
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _rankfile.check_items(plan.items)
@@ -122,11 +122,12 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     # --- writing -------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._planning.end()
         try:
             results = self._write(plan, planner)
         finally:
             self._staged.set()  # also when it failed: nobody waits for ever
+            if self.use_collectives and not self.is_coordinator:  # finish runs on the coordinator only
+                self._planning.end()
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -166,6 +167,12 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         return after
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._planning.end()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         fields = {f.name for f in dataclasses.fields(metadata)}
         if "version" in fields:  # torch 2.5+
@@ -221,16 +228,18 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
 
 class _PlanningPause:
     """The process's objects set aside from Python's cyclic collector (``gc.freeze``) while DCP
-    plans a save, from ``set_up_storage_writer`` to ``write_data``. Planning makes a few objects
-    per chunk on every rank, and with several ranks the coordinator unpickles every rank's plan
-    and the others the global plan: thousands of objects at once, which start full collections,
-    and a full collection scans every object of the process (a training job's millions). Frozen,
-    those are not scanned, while the planning's own objects are collected as usual.
+    plans a save and exchanges its plans and results: from ``set_up_storage_writer`` to the end
+    of ``write_data`` on every rank but the coordinator, to the end of ``finish`` on it. Planning
+    makes a few objects per chunk on every rank, and with several ranks the coordinator
+    unpickles every rank's plan and then every rank's results (the others the global plan):
+    thousands of objects at once, which start full collections, and a full collection scans
+    every object of the process (a training job's millions). Frozen, those are not scanned,
+    while the save's own objects are collected as usual.
 
-    A save whose planning fails never reaches ``write_data``: the writer's next ``reset`` (the
-    next save or load with it) or its end thaws them; until then a cycle among the objects that
-    were frozen is not collected (nothing else is held back). A process that froze objects
-    itself (``gc.get_freeze_count()`` not 0) is left alone."""
+    A save that fails before that end (in planning, or a write on another rank) never reaches
+    it: the writer's next ``reset`` (the next save or load with it) or its end thaws them; until
+    then a cycle among the objects that were frozen is not collected (nothing else is held
+    back). A process that froze objects itself (``gc.get_freeze_count()`` not 0) is left alone."""
 
     def __init__(self) -> None:
         self._frozen = False
