@@ -137,10 +137,12 @@ def frozen_while_planning(ctx: Ctx, state: dict[str, Any]) -> None:
     thawed when the save returns."""
     probe = CollectorProbe()
     assert gc.get_freeze_count() == 0
-    dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "probed"), planner=probe)
+    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "probed")  # alive: its end would thaw them too
+    dcp.save(state, storage_writer=writer, planner=probe)
     want = {"local": True, "finish": True, "write": True, **({"global": True} if ctx.rank == 0 else {})}
     assert probe.frozen == want, (ctx.rank, probe.frozen)
     assert gc.get_freeze_count() == 0, "objects stayed frozen after the save"
+    del writer
 
 
 def scenario_reshard(ctx: Ctx) -> None:
