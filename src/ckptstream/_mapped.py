@@ -60,7 +60,7 @@ def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
         return raw.view(info.dtype).view(info.shape)
     count = info.nbytes // info.dtype.itemsize
     flat = torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at)
-    return flat if len(info.shape) == 1 else flat.view(info.shape)  # a view call costs states of many small ones
+    return flat if len(info.shape) == 1 else flat.view(info.shape)  # one call less per tensor
 
 
 def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[[dict[str, torch.Tensor]], T], *,
@@ -108,14 +108,6 @@ def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[
         if bar is not None:
             bar(header.data_bytes)
     return True, tensors()
-
-
-def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: bool = True,
-                   progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every stored tensor of ``reader``'s file, by its table name, mapped (see ``mapped_load``)."""
-    _, tensors = mapped_load(reader, device, lambda found: found, checksum=checksum, progress=progress)
-    assert tensors is not None
-    return tensors
 
 
 def check_device(device: Any) -> None:
