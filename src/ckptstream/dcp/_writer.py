@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from .._capture import AsyncMode, Captured
 from .._engine import Mark, mark
+from .._guard import HostCopies
 from .._settings import INHERIT, call_settings
 from .._storage import storage_for
 from . import _metadata, _rankfile, _staging
@@ -81,6 +82,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self._staged = threading.Event()
         self._staged.set()
         self._captured: tuple[int, Captured] | None = None  # (staging thread, capture) of the last stage()
+        self._copies: HostCopies | None = None  # "host": the last stage()'s copies, on side streams
         self._planning = _PlanningPause()
         weakref.finalize(self, self._planning.end)
 
@@ -158,8 +160,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         if staged is None:
             return None
         thread, captured = staged
-        for event in captured.ready:  # the host snapshot's copies, before the engine reads it
-            event.synchronize()
+        captured.copied()  # the host snapshot's copies, before the engine reads it
         if thread == threading.get_ident() or captured.after is None:
             return None
         after = mark(tensors)  # devices the snapshot did not hold (a planner's own tensors)
@@ -196,13 +197,20 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         if not captured.staged:
             self._staged.clear()
         self._captured = threading.get_ident(), captured
+        self._copies = captured.copies
         return staged
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Wait until the state given to ``dcp.async_save`` may change: at once with "device"
-        and "host" modes; with "lazy", once this rank's write has copied every tensor's bytes
-        out (or failed). Returns False if ``timeout`` seconds passed first. A save that fails
-        before it writes (in DCP's planning) does not get here: its future holds the error."""
+        """Make the state given to ``dcp.async_save`` safe to change: at once with "device";
+        with "host", at once, once the current stream of each device waits for the copies into
+        host memory (work queued on it from now on runs after them); with "lazy", once this
+        rank's write has copied every tensor's bytes out (or failed). Returns False if
+        ``timeout`` seconds passed first. A save that fails before it writes (in DCP's planning)
+        does not get here: its future holds the error."""
+        copies = self._copies
+        if copies is not None and not copies.done():
+            copies.order()
+            return True
         return self._staged.wait(timeout)
 
     def synchronize_staging(self) -> None:
@@ -215,7 +223,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         """DCP's process executor pickles the writer: without its event and CUDA ordering point,
         which belong to this process."""
         state = dict(self.__dict__)
-        state["_staged"], state["_captured"], state["_planning"] = None, None, None
+        state["_staged"], state["_captured"], state["_planning"], state["_copies"] = None, None, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
