@@ -133,13 +133,16 @@ class Guard:
             self._remove_forward()
 
     def close(self) -> None:
-        """Order, and remove the hooks (never from inside an optimizer hook: torch iterates over
-        the live dict of those)."""
+        """Order, stop guarding, and remove the hooks (never from inside an optimizer hook: torch
+        iterates over the live dict of those)."""
         self.order()
         with self._lock:
+            self._holds = []
+            forward, self._forward = self._forward, None
             optimizer, self._optimizer = self._optimizer, None
-        if optimizer is not None:
-            optimizer.remove()
+        for hook in (forward, optimizer):
+            if hook is not None:
+                hook.remove()
 
     def forget(self) -> None:
         """Drop every hold (a forked child owns none of its parent's saves)."""
@@ -148,6 +151,7 @@ class Guard:
 
     def _remove_forward(self) -> None:
         with self._lock:
+            self._holds = [h for h in self._holds if not h.done()]
             if self._holds:
                 return
             forward, self._forward = self._forward, None
