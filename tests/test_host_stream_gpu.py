@@ -7,8 +7,10 @@ assertion is on saved bytes or on the GPU's own order of events, never on wall t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,8 +43,27 @@ def assert_saved(path: str, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(loaded[key], want), f"{key}: the file does not hold the values of the call"
 
 
+def host_waits_in_this_thread(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The host waits on CUDA (event, stream or device synchronize) made from this thread, by name
+    (each still waits for real)."""
+    me, seen = threading.current_thread(), []
+    for owner, name in [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                        (torch.cuda, "synchronize")]:
+        real = getattr(owner, name)
+
+        def spy(*args: Any, _real: Any = real, _what: str = f"{getattr(owner, '__name__', owner)}.{name}",
+                **kwargs: Any) -> Any:
+            if threading.current_thread() is me:
+                seen.append(_what)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    return seen
+
+
 @pytest.mark.parametrize("closure", [False, True], ids=["step", "step-with-closure"])
-def test_an_optimizer_step_right_after_the_call_runs_after_the_copies(tmp_path: Path, closure: bool) -> None:
+def test_an_optimizer_step_right_after_the_call_runs_after_the_copies(tmp_path: Path, closure: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     params = big_params()
     opt = torch.optim.SGD(params, lr=1.0)
     state = {f"p{i}": p for i, p in enumerate(params)}
@@ -50,16 +71,20 @@ def test_an_optimizer_step_right_after_the_call_runs_after_the_copies(tmp_path: 
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)  # the copies and the update both queue behind it
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
+    waits = host_waits_in_this_thread(monkeypatch)
     if closure:
         opt.step(lambda: params[0].sum())  # a closure reads the weights, as a forward pass does
     else:
         opt.step()  # no wait_staged(): the guard orders the update
+    assert waits == []  # ordered on the GPU: the host went on at once
+    monkeypatch.undo()
     handle.result()
     assert_saved(handle.path, expected)
     assert not torch.equal(params[0].detach().cpu(), expected["p0"])  # the update did run
 
 
-def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(tmp_path: Path) -> None:
+def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     bn = torch.nn.BatchNorm1d(ELEMENTS // 2, device="cuda")  # running statistics of 256 MiB each
     assert bn.running_mean is not None
     assert bn.running_var is not None
@@ -71,19 +96,26 @@ def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
+    waits = host_waits_in_this_thread(monkeypatch)
     bn(x)  # training mode: updates the running statistics in place
+    assert waits == []
+    monkeypatch.undo()
     handle.result()
     assert_saved(handle.path, expected)
     assert not torch.equal(bn.running_mean.cpu(), expected["bn.running_mean"])
 
 
-def test_a_hand_written_change_after_wait_staged_runs_after_the_copies(tmp_path: Path) -> None:
+def test_a_hand_written_change_after_wait_staged_runs_after_the_copies(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"w{i}": random_tensor(ELEMENTS, device="cuda") for i in range(2)}
     expected = cpu_copies(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
+    waits = host_waits_in_this_thread(monkeypatch)
     handle.wait_staged()  # returns at once: the current stream now waits for the copies
+    assert waits == []
+    monkeypatch.undo()
     with torch.no_grad():
         for w in state.values():
             w.add_(1.0)  # no optimizer, no forward: the caller's job to order it
