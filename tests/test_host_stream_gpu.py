@@ -83,8 +83,8 @@ def test_an_optimizer_step_right_after_the_call_runs_after_the_copies(tmp_path: 
     assert not torch.equal(params[0].detach().cpu(), expected["p0"])  # the update did run
 
 
-def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bn = torch.nn.BatchNorm1d(ELEMENTS // 2, device="cuda")  # running statistics of 256 MiB each
     assert bn.running_mean is not None
     assert bn.running_var is not None
