@@ -21,7 +21,8 @@ step) stays until ``close``. Hooks are added and removed only in the thread that
 trains: a save's worker only marks its hold done.
 
 What no hook sees stays the caller's job: an in-place change of a saved tensor outside an
-optimizer's step and a module's forward (a hand-written ``p.data.add_()``) must come after
+optimizer's step and a module's forward (a hand-written ``p.data.add_()``, an update replayed
+from a CUDA graph, an optimizer that is not a ``torch.optim.Optimizer``) must come after
 ``wait_staged()``.
 """
 
@@ -75,7 +76,12 @@ class HostCopies:
         if self._finished:
             return
         for device, event in self.events.items():
-            torch.cuda.current_stream(device).wait_event(event)
+            stream = torch.cuda.current_stream(device)
+            if torch.cuda.is_current_stream_capturing():
+                # a CUDA graph being captured runs nothing now and may not wait on an event
+                # recorded outside it: its replays are the caller's to order (wait_staged())
+                continue
+            stream.wait_event(event)
 
     def synchronize(self) -> None:
         """Wait on the host until the copies are done (the save's worker, before it reads them)."""
