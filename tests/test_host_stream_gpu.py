@@ -22,7 +22,18 @@ from helpers import random_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_save_left_behind")]
 ELEMENTS = 1 << 27  # 512 MiB of float32 per tensor
-SPIN = 200_000_000  # cycles of torch.cuda._sleep: about 0.1 s of GPU time
+SPIN = 1_000_000_000  # cycles of torch.cuda._sleep: about half a second of GPU time
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pinned_memory_cached() -> None:
+    """Pinned blocks of the tests' sizes, allocated once and given back to torch's cache: a save's
+    pinned copies are then allocated at once, and its copies are all queued while the kernel
+    queued before the call still runs."""
+    blocks = [torch.empty(ELEMENTS, pin_memory=True) for _ in range(4)]
+    blocks += [torch.empty(ELEMENTS // 2, pin_memory=True) for _ in range(4)]
+    blocks.append(torch.empty(ELEMENTS * 2, pin_memory=True))
+    del blocks
 
 
 def big_params(count: int = 4) -> list[torch.nn.Parameter]:
