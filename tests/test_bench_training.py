@@ -258,3 +258,24 @@ def test_the_loop_calls_wait_staged_just_before_the_update(mode: str, tmp_path: 
     assert log == ["wait_staged", "step"]
     assert "calls its gate just before optimizer.step() (save_async: handle.wait_staged()" in training.render(
         {"systems": {}, "steps": 3})
+
+
+def test_the_manager_row_writes_a_complete_step(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(1000, 37, generator=gen), "b": torch.randn(4099, generator=gen)}
+    path = str(tmp_path / "ckpt-0")
+    with checkpointers.session("manager.device", torch.device("cpu")) as begin:
+        job = begin(state, path)
+        if job.gate is not None:
+            job.gate()
+        expected = {k: v.clone() for k, v in state.items()}
+        for v in state.values():
+            v.add_(1.0)  # the update after the gate: not in the checkpoint
+        job.finish()
+    assert job.durable_at() is not None
+    with ckptstream.CheckpointManager(path) as manager:
+        assert manager.steps() == [1]
+        loaded = manager.load(1)
+    assert set(loaded) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(loaded[k], v)
