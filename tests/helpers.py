@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstream import _checksum, _header
+from ckptstream import _checksum
 from ckptstream._engine import Piece, copyable
 from ckptstream._engine.buffers import POOL
+from ckptstream._format import header as _header
 
 CUDA = torch.cuda.is_available()
 POISON_BYTE = 0xAB  # never produced by random_bytes, so an unwritten byte always shows

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
-from ckptstream import _header
-from ckptstream._engine.layout import flat_bytes
-from ckptstream._header import DTYPE_NAMES
+from ckptstream._engine.tensor_bytes import flat_bytes
+from ckptstream._format import header as _header
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import fileio, publish
 from helpers import (
     EDGE_CASES,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _async, _save
+from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 from ckptstream._storage import storage_for
 from helpers import random_tensor
@@ -399,14 +399,14 @@ def test_two_ranks_complete_a_step_only_together(how: str, tmp_path: Path) -> No
 
 
 def test_saves_in_flight_together_complete_in_step_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _save.write_checkpoint
+    real = save.write_checkpoint
 
     def first_is_late(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         if "step-000000000001" in path:
             time.sleep(0.5)
         real(plan, path, *args, **kwargs)
 
-    monkeypatch.setattr(_async, "write_checkpoint", first_is_late)
+    monkeypatch.setattr(save_async, "write_checkpoint", first_is_late)
     with ckptstream.CheckpointManager(tmp_path, keep=1, max_in_flight=2) as ckpts:
         first, second = ckpts.save(1, state(1)), ckpts.save(2, state(2))
         assert second.result()

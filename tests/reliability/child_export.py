@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import ckptstream
-from ckptstream import _export_copy
+from ckptstream._export import copy
 from ckptstream._storage import files
 
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}
@@ -34,7 +34,7 @@ def ready_and_wait() -> None:
 def kill_at(point: str) -> None:
     calls = {"move": 0, "run": 0, "publish": 0}
     lock = threading.Lock()
-    run, move, publish = _export_copy.Copier.run, _export_copy.Copier._move, files.AtomicSink.publish
+    run, move, publish = copy.Copier.run, copy.Copier._move, files.AtomicSink.publish
 
     def counted_run(self: Any) -> Any:
         calls["run"] += 1
@@ -53,8 +53,8 @@ def kill_at(point: str) -> None:
             ready_and_wait()
         return publish(self)
 
-    _export_copy.Copier.run = counted_run  # type: ignore[method-assign]
-    _export_copy.Copier._move = counted_move  # type: ignore[method-assign,assignment]
+    copy.Copier.run = counted_run  # type: ignore[method-assign]
+    copy.Copier._move = counted_move  # type: ignore[method-assign,assignment]
     files.AtomicSink.publish = counted_publish  # type: ignore[method-assign]
 
 

@@ -36,7 +36,7 @@ from relutil import run_child, small_state
 import ckptstream
 from ckptstream import CorruptCheckpointError
 from ckptstream._checksum import crc_of
-from ckptstream._header import DTYPES
+from ckptstream._format.header import DTYPES
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip

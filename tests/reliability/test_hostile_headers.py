@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, _structure, cli
+from ckptstream import CorruptCheckpointError, cli
+from ckptstream._format import structure as _structure
 from helpers import craft_checkpoint
 
 MiB = 1 << 20
@@ -210,7 +211,7 @@ def test_depth_is_bounded_and_costs_little_within_the_bound(tmp_path: Path) -> N
     """A node's key path costs its depth, so depth is bounded (MAX_DEPTH, as save enforces):
     leaves at the deepest level allowed cost a small multiple of the same leaves near the top,
     and a structure one level deeper is refused before it costs anything."""
-    from ckptstream._structure import MAX_DEPTH
+    from ckptstream._format.structure import MAX_DEPTH
 
     leaves = ",".join(["1"] * 60_000)
     flat = craft_checkpoint(tmp_path / "flat.safetensors", [], '{"list":[{"list":[' + leaves + "]}]}")

@@ -19,7 +19,7 @@ import torch
 from s3util import Bucket, MiB, s3, s3_server  # noqa: F401
 
 import ckptstream
-from ckptstream._header import DTYPE_NAMES
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import s3client
 from helpers import EDGE_CASES, assert_same_state, random_tensor
 

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from .. import _header
-from .._async import MODES, SaveHandle, save_async
+from .._checkpoint.load import load, read_metadata
+from .._checkpoint.save import save
+from .._checkpoint.save_async import MODES, SaveHandle, save_async
 from .._errors import CkptStreamError, CorruptCheckpointError
-from .._load import load, read_metadata
-from .._save import save
+from .._format import header
 from .._storage import storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
@@ -254,7 +254,7 @@ def _checked_metadata(metadata: Any, where: str) -> dict[str, str]:
         return {}
     if not isinstance(metadata, Mapping):
         raise ValueError(f"{where}: metadata must be a mapping of str to str, got {type(metadata).__name__}")
-    checked = dict(_header.check_user_metadata(metadata))
+    checked = dict(header.check_user_metadata(metadata))
     if TYPES_KEY in checked:
         raise ValueError(f"{where}: the metadata key {TYPES_KEY!r} is reserved (it records the value types of a "
                          "Lightning checkpoint): use another key")
