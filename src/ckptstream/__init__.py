@@ -4,18 +4,24 @@ from ._checkpoint.load import load, open, read_metadata, verify
 from ._checkpoint.load_into import load_into
 from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
 from ._checkpoint.save import save
-from ._checkpoint.save_async import AsyncMode, CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
+from ._checkpoint.save_async import AsyncMode, SaveHandle, save_async
 from ._checkpoint.transfer import device_to_file, file_to_device
 from ._engine import release_staging, staging_bytes
 from ._errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    CheckpointNotSavedError,
+    CheckpointTimeoutError,
     CkptStreamError,
     ConnectionLostError,
     CorruptCheckpointError,
+    DirectoryLockedError,
+    ExportError,
+    IncompleteCheckpointError,
     NoCredentialsError,
     ObjectNotFoundError,
     ObjectStoreError,
+    SnapshotFallbackWarning,
     StateMismatchError,
     StateMismatchWarning,
     ThrottledError,
@@ -24,16 +30,7 @@ from ._errors import (
     UnsupportedTypeError,
 )
 from ._export.export import HFExport, export_hf
-from ._export.plan import ExportError
-from ._manager.manager import (
-    CheckpointManager,
-    CheckpointTimeoutError,
-    DirectoryLockedError,
-    IncompleteCheckpointError,
-    StepCheck,
-    check_step,
-    check_steps,
-)
+from ._manager.manager import CheckpointManager, StepCheck, check_step, check_steps
 from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
 
 __version__ = "0.1.0"

@@ -44,7 +44,7 @@ def held_until_exit() -> None:
     from ckptstream._checkpoint import save_async
 
     parent, gate = os.getpid(), threading.Event()
-    real_write, real_say = WriteEngine._write, save_async.say
+    real_write, real_say = WriteEngine._write, save_async.say_at_exit
 
     def write(self: WriteEngine, chunk: Any, buf: Any) -> None:
         if os.getpid() == parent:
@@ -57,7 +57,7 @@ def held_until_exit() -> None:
             gate.set()
 
     WriteEngine._write = write  # type: ignore[method-assign]
-    save_async.say = say
+    save_async.say_at_exit = say
 
 
 def main(case: str, path: str) -> None:

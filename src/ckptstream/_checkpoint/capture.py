@@ -52,10 +52,6 @@ BY_VALUE_BYTES = 1 << 20  # "lazy": CPU tensors up to this size are still captur
 CPU = torch.device("cpu")
 
 
-class SnapshotFallbackWarning(UserWarning):
-    """``save_async(mode="device")`` found too little free GPU memory for its snapshot: it
-    streamed from the live tensors and returned once they were copied out (a stall)."""
-
 
 @dataclasses.dataclass
 class Captured:

@@ -35,21 +35,16 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import CkptStreamError
+from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
 from .._settings import INHERIT, Settings, call_settings
 from .._storage import storage_for
-from .capture import BY_VALUE_BYTES, MODES, AsyncMode, SnapshotFallbackWarning, capture
+from .capture import BY_VALUE_BYTES, MODES, AsyncMode, capture
 from .save import plan_checkpoint, write_checkpoint
 
-__all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "CheckpointNotSavedError", "SaveHandle", "SnapshotFallbackWarning",
-           "begin", "in_flight", "save_async", "say"]
+__all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "SaveHandle", "begin", "in_flight", "save_async"]
 
 Completion = Callable[[BaseException | None], None]
 
-
-class CheckpointNotSavedError(CkptStreamError, RuntimeError):
-    """An earlier background save of this process failed and its error was not collected (by
-    ``result()`` or ``wait()``): the next ``save_async`` raises it instead of starting."""
 
 
 class SaveHandle:
@@ -229,7 +224,8 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def say(line: str) -> None:
+def say_at_exit(line: str) -> None:
+    """A line on stderr straight away: at interpreter exit, logging may be shut down already."""
     try:
         sys.stderr.write(f"ckptstream: {line}\n")
         sys.stderr.flush()
@@ -244,25 +240,26 @@ def _at_exit() -> None:
         return
     try:  # a Ctrl-C anywhere in here (also while a line is written) abandons what is left
         for handle in in_flight():
-            say(f"waiting for the background save of {handle.path} to finish before exiting (Ctrl-C abandons it)")
+            say_at_exit(f"waiting for the background save of {handle.path} to finish before exiting "
+                        "(Ctrl-C abandons it)")
             # in slices: a Ctrl-C that the kernel hands to another thread only sets a flag, which
             # this thread sees when it returns to Python, never while it sleeps in one long wait
             while not handle._done.wait(0.1):
                 pass
             if handle._error is None:
-                say(f"{handle.path} is saved")
+                say_at_exit(f"{handle.path} is saved")
     except KeyboardInterrupt:
         for left in in_flight():
-            say(f"abandoned the background save of {left.path}: it was NOT published "
-                 "(its temp file is removed by a later save of that path)")
+            say_at_exit(f"abandoned the background save of {left.path}: it was NOT published "
+                        "(its temp file is removed by a later save of that path)")
         _end_interrupted()
         return
     with _cond:
         failed = list(_uncollected)
         _uncollected.clear()
     for handle in failed:
-        say(f"the background save of {handle.path} FAILED and was NOT published: "
-             f"{type(handle._error).__name__}: {handle._error}")
+        say_at_exit(f"the background save of {handle.path} FAILED and was NOT published: "
+                    f"{type(handle._error).__name__}: {handle._error}")
 
 
 def _end_interrupted() -> None:

@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._errors import ExportError
 from .._storage import Source
 from ..dcp import _pickles
 from ..dcp._pickles import Allowed, Refused
-from .plan import ExportError
 
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... name length, extra length

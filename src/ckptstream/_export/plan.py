@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from .._errors import CkptStreamError
+from .._errors import ExportError
 
 SAFE_WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -34,11 +34,6 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
-
-class ExportError(CkptStreamError, ValueError):
-    """A source cannot be exported as asked: nothing under the prefix, an unknown dtype or size,
-    ranks that disagree, chunks that cannot be read without running code. The message names the
-    source and says what to do."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._checkpoint.reader import CheckpointReader, TensorEntry
-from .._errors import CorruptCheckpointError
+from .._errors import CorruptCheckpointError, ExportError
 from .._manager.directory import DONE, check_step, check_steps, step_of
 from .._settings import Settings
 from .._storage import storage_for
-from .plan import Box, ExportError, OutTensor, cast_to, strip_prefix
+from .plan import Box, OutTensor, cast_to, strip_prefix
 
 DCP_METADATA = ".metadata"
 

@@ -12,18 +12,8 @@ import json
 import os
 import socket
 
-from .._errors import CkptStreamError
+from .._errors import DirectoryLockedError
 from .._storage import Lock, LockHeldError, storage_for
-
-
-class DirectoryLockedError(CkptStreamError, RuntimeError):
-    """Another CheckpointManager writes this directory as the same rank (``holder`` says which
-    process: host and pid); read-only use (``latest_step``, ``steps``, ``load``, ``path``)
-    needs no lock."""
-
-    def __init__(self, message: str, directory: str, rank: int, holder: dict[str, object]) -> None:
-        super().__init__(message)
-        self.directory, self.rank, self.holder = directory, rank, holder
 
 
 def lock_name(rank: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from typing import Any
@@ -13,17 +14,17 @@ from typing import Any
 from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
-from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options, say
+from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
 from .._errors import StateMismatchError
 from .._settings import INHERIT, call_settings
 from .._storage import storage_for
 from . import directory as _directory
 from .directory import StepCheck, check_step, check_steps
-from .lock import DirectoryLockedError
-from .ranks import CheckpointTimeoutError, FileRanks, GroupRanks, IncompleteCheckpointError, Ranks
+from .ranks import FileRanks, GroupRanks, Ranks
 
-__all__ = ["CheckpointManager", "CheckpointTimeoutError", "DirectoryLockedError", "IncompleteCheckpointError",
-           "StepCheck", "check_step", "check_steps"]
+__all__ = ["CheckpointManager", "StepCheck", "check_step", "check_steps"]
+
+log = logging.getLogger("ckptstream")
 
 
 def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: float) -> Ranks:
@@ -207,7 +208,7 @@ class CheckpointManager:
         try:
             self._prune(step)
         except OSError as e:  # the checkpoint is complete: a failed clean-up must not say otherwise
-            say(f"could not remove old checkpoints in {self.directory}: {e}")
+            log.warning(f"could not remove old checkpoints in {self.directory}: {e}")
 
     def _prune(self, newest: int) -> None:
         checks = {c.step: c for c in check_steps(self.directory) if c.step is not None}
@@ -229,15 +230,15 @@ class CheckpointManager:
 
     def _say_kept(self, folder: str, kept: tuple[str, ...]) -> None:
         self._kept.add(folder)
-        say(f"kept the folder {folder}: it holds files the manager did not write ({', '.join(kept[:5])}"
-            f"{', ...' if len(kept) > 5 else ''}); the manager's own files there are deleted, and the folder is an "
-            "incomplete step, never listed, that the manager never removes")
+        log.warning(f"kept the folder {folder}: it holds files the manager did not write ({', '.join(kept[:5])}"
+                    f"{', ...' if len(kept) > 5 else ''}); the manager's own files there are deleted, and the folder "
+                    "is an incomplete step, never listed, that the manager never removes")
 
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step`` (its DONE marker first, durably: a crash midway leaves an
         incomplete step, which is ignored). Call it on one rank, with no save in flight. Only
         the files the manager writes are removed: a folder that also holds others' files stays
-        (said on stderr), an incomplete step from then on.
+        (logged as a warning), an incomplete step from then on.
 
         Raises:
             FileNotFoundError: no folder of that step.
@@ -329,8 +330,8 @@ class CheckpointManager:
         try:  # an exception is already on its way: report a save's error without masking it
             self.close()
         except BaseException as e:
-            say(f"while leaving the CheckpointManager of {self.directory} on {kind.__name__}: "
-                f"a save failed: {type(e).__name__}: {e}")
+            log.warning(f"while leaving the CheckpointManager of {self.directory} on {kind.__name__}: "
+                        f"a save failed: {type(e).__name__}: {e}")
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep={self.keep}, mode='{self.mode}', rank={self.rank} of " \

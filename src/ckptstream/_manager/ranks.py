@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import CkptStreamError
+from .._errors import CheckpointTimeoutError, CkptStreamError, IncompleteCheckpointError
 from .._storage import Entry, storage_for
 from . import directory as _directory
 from .lock import WriterLock
@@ -43,14 +43,6 @@ TEXT_BYTES = 1000  # of a rank's failure, sent to every rank (longer ones are cu
 _RECORD = _HEAD.size + TEXT_BYTES
 
 
-class IncompleteCheckpointError(CkptStreamError, RuntimeError):
-    """A step of a CheckpointManager did not complete: another rank's save failed, or the ranks
-    disagree on the step (each rank's own failure is raised as itself)."""
-
-
-class CheckpointTimeoutError(IncompleteCheckpointError, TimeoutError):
-    """A step of a CheckpointManager did not complete within its ``timeout``: a rank never
-    reported it (not running, or not saving the same steps)."""
 
 
 class Ranks:

@@ -13,25 +13,18 @@ from lightning.fabric.plugins import CheckpointIO
 from .._checkpoint.load import load, read_metadata
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
-from .._errors import CkptStreamError, CorruptCheckpointError
+from .._errors import CorruptCheckpointError, StorageOptionsError, UnsupportedPathError
 from .._format import header
 from .._storage import storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
 
-__all__ = ["StorageOptionsError", "StreamCheckpointIO", "UnsupportedPathError"]
+__all__ = ["StreamCheckpointIO"]
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 _STORAGE_OPTIONS = ("metadata",)
 
 
-class StorageOptionsError(CkptStreamError, TypeError):
-    """``storage_options`` (``Trainer.save_checkpoint(..., storage_options=...)``) or a
-    ``map_location`` that StreamCheckpointIO does not take."""
-
-
-class UnsupportedPathError(CkptStreamError, ValueError):
-    """A checkpoint path on a remote file system (``s3://...``): StreamCheckpointIO writes local files."""
 
 
 class StreamCheckpointIO(CheckpointIO):
