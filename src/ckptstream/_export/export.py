@@ -24,7 +24,7 @@ import torch
 
 from .. import _gc
 from .._engine.control import interrupts_deferred, raise_if_interrupted
-from .._errors import CkptStreamError, CorruptCheckpointError
+from .._errors import CkptStreamError, CorruptCheckpointError, ExportError
 from .._format import header as _header
 from .._progress import progress_bar
 from .._settings import INHERIT, Settings, call_settings
@@ -37,7 +37,6 @@ from .plan import (
     INDEX,
     SAFE_WEIGHTS,
     SHARD,
-    ExportError,
     OutTensor,
     index_json,
     parse_dtype,
