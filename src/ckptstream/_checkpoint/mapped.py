@@ -26,19 +26,16 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from .. import _checksum, _gc
 from .._engine import control, empty_tensor
 from .._errors import TruncatedFileError, UnsupportedStorageError
-from .._format.header import TensorInfo
+from .._format.header import Header, TensorInfo
 from .._progress import progress_bar
-from .._storage import Region, round_down
-
-if TYPE_CHECKING:
-    from .reader import CheckpointReader
+from .._storage import Region, Source, round_down
 
 PIECE = 4 << 20  # bytes per checksum piece: a large tensor is checksummed by several threads
 TASK = 4 << 20  # bytes a thread takes at a time (runs of small tensors grouped up to it): small
@@ -63,23 +60,27 @@ def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
     return flat if len(info.shape) == 1 else flat.view(info.shape)  # one call less per tensor
 
 
-def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[[dict[str, torch.Tensor]], T], *,
+Compare = Callable[[Sequence[tuple[str, int]], Sequence[int]], None]  # stored (name, CRC), computed: raises
+
+
+def mapped_load(path: str, source: Source, header: Header, device: torch.device,
+                build: Callable[[dict[str, torch.Tensor]], T], *, nthreads: int, compare: Compare,
                 checksum: bool = True, progress: bool = False, required: bool = True) -> tuple[bool, T | None]:
-    """``build`` of every stored tensor of ``reader``'s file, by its table name, as CPU tensors
-    backed by a private mapping of the file; with ``checksum``, each is compared with its
-    stored CRC-32C before the result is returned (CorruptCheckpointError naming the tensor and
-    the file). The checksums run on threads while this thread makes the tensors and calls
-    ``build``, then this thread joins them. Returns (False, None), having read nothing, where
-    ``required`` is False and the storage cannot map the file."""
+    """``build`` of every stored tensor of the file at ``path`` (open as ``source``, its header
+    read), by its table name, as CPU tensors backed by a private mapping of the file; with
+    ``checksum``, the tensors' CRC-32C (on ``nthreads`` threads) go to ``compare`` before the
+    result is returned (it raises CorruptCheckpointError naming the tensor and the file). The
+    checksums run while this thread makes the tensors and calls ``build``, then this thread
+    joins them. Returns (False, None), having read nothing, where ``required`` is False and the
+    storage cannot map the file."""
     check_device(device)
-    header = reader.header
     infos = header.tensors
     end = header.data_start + header.data_bytes
     if header.data_bytes == 0:  # nothing to map (no tensors, or none with bytes)
         return True, build({t.name: empty_tensor(t.shape, t.dtype, device) for t in infos})
     start = round_down(header.data_start, mmap.PAGESIZE)
     try:
-        mapping = reader._source.map(start, end - start)
+        mapping = source.map(start, end - start)
     except OSError:
         if required:
             raise
@@ -87,23 +88,22 @@ def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[
     if mapping is None:
         if not required:
             return False, None
-        raise UnsupportedStorageError(f"{reader.path}: mmap=True maps a local file, and this storage cannot map its "
+        raise UnsupportedStorageError(f"{path}: mmap=True maps a local file, and this storage cannot map its "
                                       "objects: load without mmap=True")
-    size = reader._source.size()
+    size = source.size()
     if size < end:  # shortened since its header was read: a touch past the end would raise SIGBUS
-        raise TruncatedFileError(reader.path, header.data_start, header.data_bytes, max(0, size - header.data_start))
+        raise TruncatedFileError(path, header.data_start, header.data_bytes, max(0, size - header.data_start))
     base = header.data_start - start
 
     def tensors() -> T:
         with _gc.paused():
             return build({t.name: _tensor(mapping, t, base + t.begin) for t in infos})
 
-    with progress_bar(progress, header.data_bytes, f"load {os.path.basename(reader.path)}") as bar:
+    with progress_bar(progress, header.data_bytes, f"load {os.path.basename(path)}") as bar:
         if checksum and header.crcs is not None:
             spans = [(base + t.begin, base + t.end) for t in infos]
-            nthreads = threads(reader._cfg.io_threads, reader._cfg.hot_io_threads)
             computed, out = span_crcs(mapping, spans, nthreads, bar, meanwhile=tensors)
-            reader._compare([(t.name, crc) for t, crc in zip(infos, header.crcs, strict=True)], computed)
+            compare([(t.name, crc) for t, crc in zip(infos, header.crcs, strict=True)], computed)
             return True, out
         if bar is not None:
             bar(header.data_bytes)

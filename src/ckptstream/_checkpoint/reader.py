@@ -335,7 +335,9 @@ class CheckpointReader:
 
         if mmap or (mmap is None and dev.type == "cpu"):
             # by default a storage that cannot map (an object store) gets the copying load
-            mapped, state = _mapped.mapped_load(self, dev, build, checksum=checksum, progress=progress,
+            nthreads = _mapped.threads(self._cfg.io_threads, self._cfg.hot_io_threads)
+            mapped, state = _mapped.mapped_load(self.path, self._source, self.header, dev, build, nthreads=nthreads,
+                                                compare=self._compare, checksum=checksum, progress=progress,
                                                 required=bool(mmap))
             if mapped:
                 return state
