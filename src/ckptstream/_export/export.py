@@ -13,18 +13,16 @@ tokenizer, a README) stay as they are.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import posixpath
-import sys
 from typing import Any
 
 import torch
 
 from .. import _gc
 from .._engine.control import interrupts_deferred, raise_if_interrupted
-from .._errors import CkptStreamError, CorruptCheckpointError, ExportError
+from .._errors import ExportError
 from .._format import header as _header
 from .._progress import progress_bar
 from .._settings import INHERIT, Settings, call_settings
@@ -202,46 +200,3 @@ def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
     for left in storage.unfinished(folder):
         if (left in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(left)) and left not in names:
             storage.remove_temps(storage.join(folder, left))
-
-
-# --- the command ------------------------------------------------------------------------------
-
-HELP = "write a checkpoint's model as a Hugging Face folder (safetensors shards and index) that from_pretrained loads"
-
-
-EPILOG = ("Tied tensors (the same tensor under two names) are written once, as transformers writes them. The "
-          "files stream through ckptstream's staging buffers; an earlier export in OUT stays whole until the new "
-          "one is complete, and the index (or the single model.safetensors) is written last. Exit status: 0 "
-          "written; 1 the source fails its checksums or does not hold what its metadata says; 2 bad arguments or "
-          "input.")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    add = parser.add_argument
-    add("src", help="a checkpoint file, a CheckpointManager directory (its newest complete step) or step folder, or a "
-                    "DCP checkpoint's folder (StreamWriter or FileSystemWriter)")
-    add("out", help="the folder to write (created if missing; other files in it stay)")
-    add("--prefix", help="export only the tensors under this prefix, without it (e.g. 'model.' for "
-                         "{'model': ..., 'optim': ...})")
-    add("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-        help=f"bytes per shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
-    add("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors (integers and bools stay)")
-    add("--config", metavar="config.json", help="copy this config.json into the folder")
-    add("--quiet", action="store_true", help="no progress bar, no summary")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``ckptstream export-hf``: 0 written, 1 a corrupt source, 2 bad arguments or input."""
-    try:
-        result = export_hf(args.src, args.out, prefix=args.prefix, max_shard_size=args.max_shard_size,
-                           dtype=args.dtype, config=args.config, progress=not args.quiet)
-    except (CkptStreamError, OSError, ValueError) as e:
-        print(f"ckptstream export-hf: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, CorruptCheckpointError) else 2
-    if not args.quiet:
-        print(f"exported {result.tensors} tensors ({result.total_size} bytes) of the {result.source} to "
-              f"{result.folder}: {', '.join(result.files)}")
-        for name, kept in result.tied.items():
-            print(f"  {name}: tied to {kept}, stored once")
-    return 0

@@ -18,11 +18,10 @@ from typing import Any, TypeVar
 
 import ckptstream
 
-from .._format.structure import KeyPath
-from .._storage import storage_for
+from ..storage import storage_for
 from . import _dirs, _files
 from ._dirs import DCP, MANAGER, STEP, Verdict
-from ._text import MAX_ITEMS, print_directory, print_report, printable
+from ._text import MAX_ITEMS, KeyPath, print_directory, print_report, printable
 
 T = TypeVar("T")
 
@@ -206,7 +205,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            "CheckpointManager directories and step folders, DCP checkpoints' folders)")
     check.add_argument("paths", nargs="+", metavar="path")
     check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
-    from .._export import export
+    from . import _export as export
 
     export.add_arguments(sub.add_parser("export-hf", help=export.HELP, description=export.HELP))
     bench = sub.add_parser("bench", help="measure ckptstream against the disk, PCIe and its peers")
@@ -223,9 +222,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return bench.run(args)
     if args.command == "export-hf":
-        from .._export import export
+        from . import _export
 
-        return export.run(args)
+        return _export.run(args)
     if args.command == "verify":
         status = 0
         for path in args.paths:

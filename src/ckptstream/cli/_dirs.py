@@ -25,7 +25,7 @@ from typing import Any
 
 import ckptstream
 
-from .._storage import Entry, storage_for
+from ..storage import Entry, storage_for
 
 MANAGER, STEP, DCP = "CheckpointManager directory", "CheckpointManager step folder", "DCP checkpoint"
 METADATA = ".metadata"  # DCP's name (ckptstream.dcp.METADATA_NAME, which imports torch.distributed)

@@ -9,8 +9,14 @@ from typing import Any
 
 from ckptstream import TensorEntry
 
-from .._format.structure import KeyPath, key_str
 from ._dirs import DCP, MANAGER, STEP
+
+KeyPath = tuple[Any, ...]  # the keys from the state's root to a leaf (``TensorEntry.path``)
+
+
+def key_str(path: KeyPath) -> str:
+    """A key path as ``TensorEntry.key`` writes it."""
+    return ".".join(str(k) for k in path) if path else "<root>"
 
 # C0, DEL and C1 (U+0080..U+009F: U+009B is a one-character CSI to some terminals)
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
