@@ -23,8 +23,8 @@ import torch
 import ckptstream
 from ckptstream import DirectIO
 from ckptstream._storage import fileio, register
-from helpers import CUDA, READ_CALLS, direct_io_supported
-from memstore import MemStorage, Place
+from tests.helpers import CUDA, READ_CALLS, direct_io_supported
+from tests.memstore import MemStorage, Place
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

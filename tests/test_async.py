@@ -9,7 +9,6 @@ import gc
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -24,10 +23,8 @@ import torch
 import ckptstream
 from ckptstream._checkpoint import capture, save, save_async
 from ckptstream._engine.write import WriteEngine
-from helpers import engine_threads, random_tensor
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import detached, differences, run_child, start_child
+from tests.helpers import engine_threads, random_tensor
+from tests.resume.trainutil import detached, differences, run_child, start_child
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 MODES = ["device", "lazy", "host"]

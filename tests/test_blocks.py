@@ -14,7 +14,7 @@ import torch
 import ckptstream
 from ckptstream._checkpoint import blocks
 from ckptstream._format import header
-from helpers import DTYPES, assert_bytes_equal, header_of, random_tensor
+from tests.helpers import DTYPES, assert_bytes_equal, header_of, random_tensor
 
 _SAVABLE = [d for d in DTYPES if d in header.DTYPE_NAMES]
 

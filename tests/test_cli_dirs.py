@@ -24,6 +24,7 @@ import torch
 import ckptstream
 from ckptstream import cli
 from ckptstream._manager import directory as _directory
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -33,10 +34,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     status = cli.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err
-
-
-def child_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE / "reliability")]), OMP_NUM_THREADS="1")
 
 
 # --- a CheckpointManager directory ---------------------------------------------------------------

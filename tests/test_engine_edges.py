@@ -16,7 +16,7 @@ import torch
 
 import ckptstream
 from ckptstream._engine import tensor_bytes
-from helpers import assert_bytes_equal, poison, random_tensor
+from tests.helpers import assert_bytes_equal, poison, random_tensor
 
 # --- a write of 0 bytes -----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch
 
 import ckptstream
 from ckptstream._errors import UnsupportedTypeError
-from memstore import MemStorage
+from tests.memstore import MemStorage
 
 CUDA = torch.cuda.is_available()
 

@@ -21,8 +21,8 @@ import ckptstream
 from ckptstream import CorruptCheckpointError, ExportError
 from ckptstream._manager.directory import step_dir, write_done
 from ckptstream.cli import main
-from helpers import flip_last_byte
-from hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state
+from tests.helpers import flip_last_byte
+from tests.hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state
 
 SMALL: dict[str, Any] = {"buffer_size": 8192, "num_buffers": 3, "io_threads": 3}  # windows cut tensors and runs
 

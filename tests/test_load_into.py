@@ -14,7 +14,7 @@ import ckptstream
 from ckptstream._checkpoint import blocks, load_into
 from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._format.structure import KeyPath
-from helpers import (
+from tests.helpers import (
     WRITABLE_EDGE_CASES,
     as_bytes,
     assert_bytes_equal,
@@ -24,7 +24,7 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
-from memstore import Place
+from tests.memstore import Place
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,9 @@ import ckptstream
 from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 from ckptstream._storage import storage_for
-from helpers import random_tensor
-from memstore import Crash, MemStorage, Place, Step
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import differences, free_port, start_child
+from tests.helpers import random_tensor
+from tests.memstore import Crash, MemStorage, Place, Step
+from tests.resume.trainutil import differences, free_port, start_child
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 

@@ -30,7 +30,7 @@ from ckptstream._checkpoint import mapped as _mapped
 from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import mapping
 from ckptstream.bench import systems
-from helpers import (
+from tests.helpers import (
     EDGE_CASES,
     FLOAT4,
     MiB,

@@ -6,7 +6,6 @@ the run bit for bit."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,10 +17,8 @@ from torch import nn
 
 import ckptstream
 from ckptstream._checkpoint import load_into
-from helpers import random_tensor
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import differences, run_child
+from tests.helpers import random_tensor
+from tests.resume.trainutil import differences, run_child
 
 
 def trained(device: str = "cpu", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -65,14 +66,15 @@ def main() -> int:
         ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", buffer_size=8192, num_buffers=2)
         print("finished", flush=True)
         return 0
-    from child_memory import Peak
+    from ckptstream.bench.measure import PeakRss
 
     with ckptstream.open(src) as reader:
         largest = max(e.nbytes for e in reader.entries())
-    with Peak() as peak:
+    gc.collect()
+    with PeakRss() as peak:
         ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, **SETTINGS)
         staging = ckptstream.staging_bytes()
-    print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "largest": largest}))
+    print(json.dumps({"growth": peak.growth, "staging": staging, "largest": largest}))
     return 0
 
 

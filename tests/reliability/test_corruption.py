@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from fuzzutil import element_bytes
-from relutil import small_state, tensors_of
 
 import ckptstream
 from ckptstream import CorruptCheckpointError
 from ckptstream._checkpoint import blocks
 from ckptstream._format.header import Header
-from helpers import direct_io_supported
+from tests.helpers import direct_io_supported
+from tests.reliability.fuzzutil import element_bytes
+from tests.reliability.relutil import small_state, tensors_of
 
 CASES = 200
 POISON = 0xAB

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 import torch
-from trainutil import slow_chunks
 
 import ckptstream
 from ckptstream._engine.write import WriteEngine
+from tests.resume.trainutil import slow_chunks
 
 
 def failing_after(chunks: int) -> None:
