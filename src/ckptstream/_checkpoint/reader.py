@@ -346,7 +346,7 @@ class CheckpointReader:
         return build(self._load_tensors(dev, checksum, progress))
 
     def _load_tensors(self, dev: torch.device, checksum: bool, progress: bool) -> dict[str, torch.Tensor]:
-        """Every stored tensor, read into few allocations on ``dev`` (see ``_blocks``)."""
+        """Every stored tensor, read into few allocations on ``dev`` (see ``blocks``)."""
         h = self.header
         check = checksum and h.crcs is not None
         with _gc.paused():
@@ -384,7 +384,7 @@ class CheckpointReader:
         ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C.
 
         Small tensors into plain contiguous tensors of their dtype and shape are read as a
-        whole load reads them: runs of them into scratch memory (see ``_blocks``; at most
+        whole load reads them: runs of them into scratch memory (see ``blocks``; at most
         ``GATHER_UP_TO`` bytes per device), checksummed there, then moved into their
         destinations once verified: on a GPU with one copy call per device, in host memory
         with one memmove each. Thousands of them cost one piece per run instead of one each,

@@ -1,4 +1,4 @@
-"""``ckptstream.export_hf`` and ``ckptstream export-hf``: a checkpoint to a Hugging Face model
+"""``ckptstream.export_hf``: a checkpoint to a Hugging Face model
 folder (``model.safetensors``, or shards and ``model.safetensors.index.json``, as
 ``save_pretrained`` writes them), streamed through the staging buffers.
 

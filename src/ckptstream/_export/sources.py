@@ -3,7 +3,7 @@ directory or step folder, a DCP checkpoint), each as boxes of bytes in the sourc
 
 Only headers and metadata are read here, and nothing from the source runs code: checkpoint
 files through their validated headers, a DCP checkpoint's ``.metadata`` as ``StreamReader``
-reads it (``dcp._metadata``), ``FileSystemWriter`` chunks through ``_export_fsw``.
+reads it (``dcp._metadata``), ``FileSystemWriter`` chunks through ``fsw``.
 
 A manager's step saved by several ranks holds each rank's own state, with no record of how the
 ranks' tensors relate. A tensor name found in several rank files must be the same tensor in

@@ -1,4 +1,4 @@
-"""Saving's half of the state tree <-> tensor table mapping (``_structure`` has the format and
+"""Saving's half of the state tree <-> tensor table mapping (``structure`` has the format and
 loading's half): walk a state, check every leaf, and flatten it into tensor records and the
 JSON tree that describes everything else; tensors that share memory are stored once, or as
 views into one blob of their storage's bytes.

@@ -10,7 +10,7 @@ objects, scalars are JSON values, and each tensor leaf names a row of the tensor
     null, true/false, 12, 1.5, "text"                 the other leaves
 
 This module holds the format's names and loading's half (parse and check a stored structure,
-rebuild the state); ``_flatten`` holds saving's half.
+rebuild the state); ``flatten`` holds saving's half.
 """
 
 from __future__ import annotations

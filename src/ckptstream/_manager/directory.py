@@ -5,7 +5,7 @@
     DIR/step-000000001200/DONE                             JSON, published last, atomically
     DIR/step-000000001200/FAILED-rank-00003                a rank's save failed (no process group)
     DIR/step-000000001200/READY-rank-00003                 a rank is ready for the step (no process group)
-    DIR/.lock-rank-00003                                   held by the rank's writing manager (``_dirlock``)
+    DIR/.lock-rank-00003                                   held by the rank's writing manager (``lock``)
 
 Only ``step-`` and exactly 12 ASCII digits name a step. A step is complete when its DONE marker
 is a small regular file of the format below naming exactly the rank files of the step, which all

@@ -1,6 +1,6 @@
 """CheckpointManager: numbered checkpoints in one directory, saved in the background, a step
 counted only once complete and durable, the newest few kept (see ``directory`` for the files and
-``_ranks`` for several processes)."""
+``ranks`` for several processes)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ class Ranks:
         self._lock: WriterLock | None = None
 
     def lock(self) -> None:
-        """Hold this rank's writer lock of the directory from now on (see ``_dirlock``)."""
+        """Hold this rank's writer lock of the directory from now on (see ``lock``)."""
         if self._lock is None:
             self._lock = WriterLock(self.directory, self.rank)
 
