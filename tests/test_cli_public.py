@@ -5,12 +5,15 @@ module of the package (``ckptstream._...``), and the benchmark is imported only 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ckptstream._format import header
 from ckptstream.cli import _files
+from tests.helpers import child_env
 
 CLI = Path(__file__).resolve().parents[1] / "src" / "ckptstream" / "cli"
 
@@ -77,3 +80,14 @@ def test_the_walk_finds_private_imports(source: str, flagged: bool) -> None:
 def test_the_cli_constants_are_the_formats() -> None:
     """The CLI reads a damaged header's bytes itself: its constants are the format's."""
     assert (_files.HEADER_CRC_KEY, _files.MAX_HEADER) == (header.HEADER_CRC_KEY, header.MAX_HEADER)
+
+
+@pytest.mark.parametrize("module", ["ckptstream", "ckptstream.cli"])
+def test_the_command_runs_as_a_module(module: str) -> None:
+    """``python -m ckptstream`` and ``python -m ckptstream.cli`` are the command (as the
+    ``ckptstream`` console script, ``ckptstream.cli:main``, is)."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: ckptstream "), proc.stdout
+    assert {"inspect", "verify", "export-hf", "bench"} <= set(proc.stdout.split("{", 1)[1].split("}", 1)[0].split(","))
