@@ -1,5 +1,5 @@
 """The guard that orders training's changes of saved tensors after a background save's read
-(``ckptstream._guard``), on the CPU: where its hooks order (before an optimizer's update, after
+(``ckptstream._checkpoint.guard``), on the CPU: where its hooks order (before an optimizer's update, after
 its closure; before a training-mode forward of a module holding a saved buffer), when they arm
 and disarm, and that a forked child owns none of its parent's holds. The CUDA side (a "host"
 save's copies on a side stream) is in test_host_stream_gpu.py."""
@@ -16,8 +16,8 @@ from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
 import ckptstream
-from ckptstream import _guard
-from ckptstream._guard import Guard, storage_keys
+from ckptstream._checkpoint import guard as _guard
+from ckptstream._checkpoint.guard import Guard, storage_keys
 
 
 class Watch:

@@ -17,8 +17,9 @@ import torch
 from torch.nn.modules import module as nn_module
 
 import ckptstream
-from ckptstream import _capture, _guard
-from helpers import random_tensor
+from ckptstream._checkpoint import capture as _capture
+from ckptstream._checkpoint import guard as _guard
+from tests.helpers import random_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_save_left_behind")]
 ELEMENTS = 1 << 27  # 512 MiB of float32 per tensor

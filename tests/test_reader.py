@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from helpers import (
+from tests.helpers import (
     MiB,
     as_bytes,
     assert_bytes_equal,
@@ -28,7 +28,7 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
-from memstore import MemStorage, Place
+from tests.memstore import MemStorage, Place
 
 METADATA = {"run": "reader", "note": "ünïcode"}
 

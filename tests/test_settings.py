@@ -17,7 +17,7 @@ import torch
 import ckptstream
 from ckptstream import DirectIO, Settings, _settings
 from ckptstream._engine.engine import Engine
-from helpers import random_bytes, random_tensor, spy_on_staging
+from tests.helpers import random_bytes, random_tensor, spy_on_staging
 
 ENV = ("CKPTSTREAM_BUFFER_SIZE", "CKPTSTREAM_NUM_BUFFERS", "CKPTSTREAM_IO_THREADS", "CKPTSTREAM_DIRECT_IO")
 

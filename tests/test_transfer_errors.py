@@ -18,7 +18,7 @@ import ckptstream
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio
-from helpers import (
+from tests.helpers import (
     POISON_BYTE,
     READ_CALLS,
     Resources,

@@ -15,9 +15,8 @@ import os
 import sys
 from typing import Any
 
-from relutil import MiB, training_state
-
 import ckptstream
+from tests.reliability.relutil import MiB, training_state
 
 
 def tell(line: str) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_durability import Trace, where
 
 import ckptstream
 from ckptstream._storage import publish
+from tests.reliability.test_durability import Trace, where
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 

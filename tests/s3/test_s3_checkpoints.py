@@ -5,7 +5,6 @@ mid-upload, the memory of a 256 MiB save, DCP, and errors surfacing through the 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,20 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from s3util import Bucket, MiB, s3, s3_server  # noqa: F401
 
 import ckptstream
-from ckptstream._header import DTYPE_NAMES
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import s3client
-from helpers import EDGE_CASES, assert_same_state, random_tensor
+from tests.helpers import EDGE_CASES, assert_same_state, child_env, random_tensor
+from tests.s3.s3util import Bucket, MiB, s3, s3_server  # noqa: F401
 
 HERE = Path(__file__).parent
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child process: this one's (the server's variables), and the tests' modules."""
-    paths = ["src", str(HERE), str(HERE.parent), str(HERE.parent / "reliability")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def nested_state(device: torch.device | str) -> dict[str, object]:

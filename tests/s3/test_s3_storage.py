@@ -13,13 +13,14 @@ import sys
 
 import crc32c
 import pytest
-from s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
 import ckptstream
 from ckptstream._settings import DirectIO
 from ckptstream._storage import s3client
 from ckptstream._storage.s3 import S3Storage, _reader
 from ckptstream._storage.s3upload import MIN_PART, crc32c_b64
+from tests.helpers import child_env
+from tests.s3.s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
 STORE = S3Storage()
 
@@ -256,7 +257,7 @@ def test_memory_of_a_256_mib_upload_is_the_head_and_a_small_bound(s3: Bucket) ->
     buffers grows the writer's RSS by the held-back head and a few MiB of client state, not by
     a copy of any part (one copy per part in flight would be +128 MiB)."""
     here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.path.join(here, "..", "reliability")])}
+    env = child_env()
     out = subprocess.run([sys.executable, os.path.join(here, "child_sink_memory.py"), s3.url("big"), "256"],
                          env=env, capture_output=True, text=True, check=True).stdout
     figures = json.loads(out)

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._capture import AsyncMode, Captured
+from .._checkpoint.capture import AsyncMode, Captured
+from .._checkpoint.guard import HostCopies
 from .._engine import Mark, mark
-from .._guard import HostCopies
 from .._settings import INHERIT, call_settings
 from .._storage import storage_for
 from . import _metadata, _rankfile, _staging

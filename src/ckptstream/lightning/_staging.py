@@ -2,7 +2,7 @@
 
 Lightning saves a checkpoint in ``on_train_batch_end`` or ``on_validation_end``, after the
 optimizer step of that batch. What changes the saved tensors next is what the core guard
-(``ckptstream._guard``) watches, with the same hooks that order a "host" save's copies: the next
+(``ckptstream._checkpoint.guard``) watches, with the same hooks that order a "host" save's copies: the next
 optimizer step's update (after its closure, which runs the forward and backward pass under
 Lightning's automatic optimization) and a training-mode forward of a module holding a saved
 buffer (BatchNorm's running statistics). For a "lazy" save the guard waits on the host until
@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .._async import SaveHandle
-from .._guard import Guard, StorageKey, storage_key, storage_keys
+from .._checkpoint.guard import Guard, StorageKey, storage_key, storage_keys
+from .._checkpoint.save_async import SaveHandle
 
 __all__ = ["StagingGuard", "storage_key"]
 
