@@ -31,7 +31,7 @@ from ckptstream.bench.state import StateSpec, build_state, flat_tensors, gpt_sha
 
 TINY = str(1 / 128)  # GiB
 DEFAULT_ROWS = ["ckptstream", "ckptstream load_into", "ckptstream checksum=False",
-                *(["ckptstream mmap"] if not torch.cuda.is_available() else []),  # on CPU runs only
+                *(["ckptstream mmap=False"] if not torch.cuda.is_available() else []),  # on CPU runs only
                 "torch", "torch mmap", "safetensors", "dcp"]
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ckptstream
-from ckptstream import _load_into
+from ckptstream import _blocks, _load_into
 from ckptstream._header import DTYPE_NAMES
 from ckptstream._structure import KeyPath
 from helpers import (
@@ -55,28 +55,36 @@ def test_fills_tensors_in_place(device: torch.device, place: Place) -> None:
     assert target["step"] == 0  # the given structure itself is not modified
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("buffer_size", [4096, 16 << 20], ids=["4k", "16m"])
-def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path, buffer_size: int) -> None:
-    """Small tensors bound for a GPU go through a scratch run and one copy call: every target
-    (plain, Parameter, non-contiguous, large, of every dtype) keeps its memory and gets exact
-    bytes; a corrupt byte is named by its tensor, and the gathered targets are left as they were."""
-    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64]
-    state: dict[str, Any] = {f"s{i}": random_tensor((i % 9 + 1, 3) if i % 3 else (i % 17 + 1,), dtypes[i % 6], "cuda")
+def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.device, tmp_path: Path,
+                                                             buffer_size: int) -> None:
+    """Small tensors go through a scratch run (on a GPU one copy call, in host memory one move
+    each): every target (plain, Parameter, a view inside a larger storage, non-contiguous,
+    large, of every dtype, 0-d, empty) keeps its memory and gets exact bytes; a corrupt byte is
+    named by its tensor, and the gathered targets are left as they were."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64, torch.float8_e4m3fn]
+    state: dict[str, Any] = {f"s{i}": random_tensor((i % 9 + 1, 3) if i % 3 else (i % 17 + 1,), dtypes[i % 7], device)
                              for i in range(2000)}
-    state["p"] = nn.Parameter(random_tensor((300,), torch.float32, "cuda"))
-    state["t"] = random_tensor((40, 30), torch.float16, "cuda").t()  # non-contiguous: streamed on its own
-    state["big"] = random_tensor((300_000,), torch.float32, "cuda")
+    state["zero_d"] = random_tensor((), torch.int32, device)
+    state["empty"] = random_tensor((0, 4), torch.float32, device)
+    state["p"] = nn.Parameter(random_tensor((300,), torch.float32, device))
+    state["inside"] = random_tensor((77,), torch.float16, device)
+    state["t"] = random_tensor((40, 30), torch.float16, device).t()  # non-contiguous: streamed on its own
+    state["big"] = random_tensor((300_000,), torch.float32, device)
     path = tmp_path / "small.safetensors"
     ckptstream.save(state, path)
     targets = {k: poisoned_like(v) for k, v in state.items()}
     targets["p"] = nn.Parameter(poisoned_like(state["p"]))
-    targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device="cuda")).t()
+    around = poisoned_like(torch.empty(100, dtype=torch.float16, device=device))
+    targets["inside"] = around[11:88]  # contiguous, at an offset into a larger storage
+    targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device=device)).t()
     where = {k: v.data_ptr() for k, v in targets.items()}
     ckptstream.load_into(targets, path, buffer_size=buffer_size)
     for k, v in state.items():
         assert targets[k].data_ptr() == where[k], k
         assert_bytes_equal(targets[k], v)
+    assert is_poisoned(around[:11])  # the bytes around are untouched
+    assert is_poisoned(around[88:])
     flip_last_byte(path, "s1234")
     with torch.no_grad():
         for v in targets.values():
@@ -85,6 +93,44 @@ def test_many_small_gpu_targets_are_gathered_and_filled_in_place(tmp_path: Path,
         ckptstream.load_into(targets, path, buffer_size=buffer_size)
     assert is_poisoned(targets["s1234"])
     assert is_poisoned(targets["s5"])
+    assert_bytes_equal(targets["big"], state["big"])  # streamed straight in: the file's (sound) bytes
+
+
+@pytest.mark.parametrize("with_run", [True, False], ids=["a_long_run", "short_runs_only"])
+def test_small_host_tensors_gather_in_long_runs_and_others_stream_straight(tmp_path: Path, with_run: bool) -> None:
+    """Small host tensors in a run of at least HOST_RUN back to back in the file go through
+    scratch memory and are moved in once verified; those in shorter runs (between large ones)
+    stream straight into their targets, as large ones do: after a failed checksum, the long
+    run's targets keep their old bytes and the others hold the file's. Without a long run every
+    tensor is one piece, checked in file order."""
+    # the file orders tensors by element size, then dtype and name: as listed here
+    state = {"a_big": random_tensor((40_000,)), "b_lone": random_tensor((33,)), "c_big": random_tensor((50_000,)),
+             "d0": random_tensor((7, 3), torch.bfloat16), "d1": random_tensor((9,), torch.bfloat16),
+             "d_big": random_tensor((60_000,), torch.bfloat16)}
+    run = [f"e{i}" for i in range(_blocks.HOST_RUN)] if with_run else []
+    state.update({k: random_tensor((10 + i,), torch.int16) for i, k in enumerate(run)})
+    path = tmp_path / "runs.safetensors"
+    ckptstream.save(state, path)
+    with ckptstream.open(path) as reader:
+        assert [t.name for t in reader.header.tensors] == list(state)
+    targets = {k: poisoned_like(v) for k, v in state.items()}
+    ckptstream.load_into(targets, path)
+    for k, v in state.items():
+        assert_bytes_equal(targets[k], v)
+    flip_last_byte(path, "c_big")
+    with torch.no_grad():
+        for v in targets.values():
+            poison(v)
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'c_big' fails its CRC-32C"):
+        ckptstream.load_into(targets, path)
+    for k in run:
+        assert is_poisoned(targets[k]), k  # moved in only after the checks
+    for k in ("a_big", "b_lone", "d0", "d1"):  # streamed straight: the file's (sound) bytes
+        assert_bytes_equal(targets[k], state[k])
+    ckptstream.save(state, path)
+    flip_last_byte(path, "d1")
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'d1' fails its CRC-32C"):
+        ckptstream.load_into(targets, path)
 
 
 @pytest.mark.parametrize("buffer_size", [None, 513])

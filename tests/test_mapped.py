@@ -9,9 +9,12 @@ intact; the reader's descriptor is the only one, and the mapping goes with the l
 
 from __future__ import annotations
 
+import _thread
+import errno
 import json
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, TruncatedFileError, _mapped
+from ckptstream import CorruptCheckpointError, TruncatedFileError, UnsupportedStorageError, _checksum, _mapped
 from ckptstream._header import DTYPE_NAMES
 from ckptstream._storage import mapping
 from ckptstream.bench import systems
@@ -52,8 +55,9 @@ def _seed(request: pytest.FixtureRequest) -> None:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checksums in pieces of an odd size that splits elements, on threads, for small files."""
     monkeypatch.setattr(_mapped, "PIECE", 4096 + 7)
+    monkeypatch.setattr(_mapped, "TASK", 3 * 4096)
     monkeypatch.setattr(_mapped, "THREADED_FROM", 1)
-    monkeypatch.setattr(_mapped, "THREADED_MEAN", 1)
+    monkeypatch.setattr(_mapped, "RELEASES_GIL", 1024)
     monkeypatch.setattr(_mapped, "threads", lambda io, hot: 3)
 
 
@@ -232,7 +236,7 @@ def test_without_checksums_nothing_is_read_up_front(tmp_path: Path, monkeypatch:
     state = {"a": random_tensor((50_000,)), "b": random_tensor((9,), torch.int64)}
     ckptstream.save(state, tmp_path / "s.safetensors")
 
-    def no_reads(*args: Any) -> Any:
+    def no_reads(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("read up front")
 
     monkeypatch.setattr(_mapped, "span_crcs", no_reads)  # the data's checksums (not the header's)
@@ -320,9 +324,153 @@ def test_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None
     assert "load p.safetensors" in capfd.readouterr().err
 
 
-def test_the_benchmark_lists_the_mapped_load_on_cpu_runs_only() -> None:
+def test_the_benchmark_lists_the_copying_load_on_cpu_runs_only() -> None:
     system = systems.SYSTEMS["ckptstream"]
-    assert "ckptstream mmap" in [v.label for v in system.variants_on("cpu")]
-    assert "ckptstream mmap" not in [v.label for v in system.variants_on("cuda:1")]
-    others = [v.label for v in system.variants if v.label != "ckptstream mmap"]
+    assert "ckptstream mmap=False" in [v.label for v in system.variants_on("cpu")]
+    assert "ckptstream mmap=False" not in [v.label for v in system.variants_on("cuda:1")]
+    others = [v.label for v in system.variants if v.label != "ckptstream mmap=False"]
     assert [v.label for v in system.variants_on("cuda")] == others
+
+
+# --- the default CPU load maps; mmap=False copies -----------------------------------------------
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    """Large tensors (their checksums release the GIL: the threads' tasks) between runs of small
+    ones (the caller's thread), more than THREADED_FROM bytes of large ones in all."""
+    state: dict[str, torch.Tensor] = {}
+    for i in range(6):
+        state[f"big{i}"] = random_tensor(((_mapped.THREADED_FROM // 4 + 1_000_003 * i) // 4,))
+        state[f"bias{i}"] = random_tensor((37 + i,), torch.bfloat16)
+        state[f"norm{i}"] = random_tensor((3, 5), torch.float64)
+    return state
+
+
+def test_the_default_cpu_load_maps_the_file_and_mmap_false_copies(tmp_path: Path) -> None:
+    state = {c.name: c.source("cpu") for c in STORABLE_CASES}
+    path = tmp_path / "edge.safetensors"
+    ckptstream.save(state, path)
+    expected = {k: v.contiguous() for k, v in state.items()}
+    default = ckptstream.load(path)
+    copied = ckptstream.load(path, mmap=False)
+    with ckptstream.open(path) as reader:
+        by_reader = reader.load()
+    for loaded in (default, copied, by_reader):
+        assert_same_state(loaded, expected, device="cpu")
+    for key in expected:
+        if expected[key].numel():
+            assert is_mapped(default[key], path), key
+            assert is_mapped(by_reader[key], path), key
+            assert not is_mapped(copied[key], path), key
+    copied["dtype_float32"].add_(1)  # owned memory: writable, and the file does not change
+    assert_same_state(ckptstream.load(path), expected, device="cpu")
+
+
+def test_the_default_load_verifies_on_threads_and_in_the_callers_thread(tmp_path: Path) -> None:
+    # the real thresholds: the large tensors go to the threads' tasks, the small ones to the caller
+    state = mixed_state()
+    path = tmp_path / "mixed.safetensors"
+    ckptstream.save(state, path)
+    assert_same_state(ckptstream.load(path), state, device="cpu")
+    assert engine_threads() == []
+    raw = path.read_bytes()
+    start, header = header_of(path)
+    for key in ("big3", "bias4", "norm0", "big5"):
+        hi = header[key]["data_offsets"][1]
+        damaged = bytearray(raw)
+        damaged[start + hi - 1] ^= 0x40
+        path.write_bytes(damaged)
+        with pytest.raises(CorruptCheckpointError, match=rf"tensor '{key}' fails its CRC-32C check"):
+            ckptstream.load(path)
+        assert engine_threads() == []
+
+
+def test_span_checksums_of_every_kind_of_piece(small_pieces: None) -> None:
+    data = random_bytes(300_000).numpy().tobytes()
+    region = bytearray(data)
+    spans = [(0, 0), (0, 700), (700, 900), (1000, 60_000), (60_000, 60_001), (60_001, 200_000),
+             (200_000, 200_100), (200_200, 300_000)]  # empty, small, large, holes between
+    calls: list[str] = []
+
+    class Region:
+        buffer = region
+
+        def prefetch(self, lo: int, hi: int) -> bool:
+            calls.append("prefetch")
+            return False
+
+    crcs, out = _mapped.span_crcs(Region(), spans, 3, meanwhile=lambda: "built")
+    assert out == "built"
+    assert crcs == [_checksum.crc_of(data[lo:hi]) for lo, hi in spans]
+    assert calls  # the threads' tasks brought their pages in
+    crcs, out = _mapped.span_crcs(Region(), spans, 1)
+    assert out is None
+    assert crcs == [_checksum.crc_of(data[lo:hi]) for lo, hi in spans]
+
+
+def test_a_failure_while_the_state_is_built_stops_and_joins_the_checksum_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mixed.safetensors"
+    ckptstream.save(mixed_state(), path)
+    real = _mapped._tensor
+
+    def fail_on_a_bias(region: Any, info: Any, at: int) -> torch.Tensor:
+        if info.name == "bias2":
+            raise RuntimeError("planted")
+        return real(region, info, at)
+
+    monkeypatch.setattr(_mapped, "_tensor", fail_on_a_bias)
+    with pytest.raises(RuntimeError, match="planted"):
+        ckptstream.load(path)
+    assert engine_threads() == []
+    assert mappings_of(path) == 0
+
+
+def test_a_storage_that_cannot_map_gets_the_copying_load_by_default(mem: Any) -> None:
+    state = {"w": random_tensor((5000,)), "n": {"b": random_tensor((7,), torch.int16)}, "step": 4}
+    ckptstream.save(state, "mem://test/m.safetensors")
+    assert_same_state(ckptstream.load("mem://test/m.safetensors"), state, device="cpu")
+    with pytest.raises(UnsupportedStorageError, match="mmap=True"):
+        ckptstream.load("mem://test/m.safetensors", mmap=True)
+
+
+def test_a_file_system_that_refuses_mappings_gets_the_copying_load_by_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"w": random_tensor((5000,)), "b": random_tensor((7,), torch.int16)}
+    path = tmp_path / "nomap.safetensors"
+    ckptstream.save(state, path)
+
+    def refuse(*args: Any) -> None:
+        raise OSError(errno.ENODEV, "No such device (mmap refused)")
+
+    monkeypatch.setattr(mapping.Mapping, "__init__", refuse)
+    loaded = ckptstream.load(path)
+    assert_same_state(loaded, state, device="cpu")
+    assert not is_mapped(loaded["w"], path)
+    with pytest.raises(OSError, match="mmap refused"):
+        ckptstream.load(path, mmap=True)
+
+
+def test_ctrl_c_during_the_checksums_stops_and_joins_every_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mixed.safetensors"
+    ckptstream.save(mixed_state(), path)
+    real, calls = _checksum.crc_of, []
+    interrupt_at = 3
+
+    def counting(data: Any) -> int:
+        calls.append(threading.current_thread().name)
+        if len(calls) == interrupt_at:
+            _thread.interrupt_main()  # as Ctrl-C does, whichever thread checksums now
+        return real(data)
+
+    monkeypatch.setattr(_checksum, "crc_of", counting)
+    interrupt_at = 0
+    ckptstream.load(path)  # counts the checksum calls of a whole load
+    whole, interrupt_at = len(calls), 3
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        ckptstream.load(path)
+    assert len(calls) < whole  # stopped early: not every piece was checksummed
+    assert engine_threads() == []
+    assert mappings_of(path) == 0

@@ -6,6 +6,7 @@ keys, and its file descriptor."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,25 @@ def test_index_lists_every_tensor_with_its_dtype_and_shape(saved: Any) -> None:
         with pytest.raises(KeyError, match=r"no tensor 'model\.nope'"):
             reader.entry("model.nope")
         assert reader.entry(("optim", "state", 0, "exp_avg")).key == "optim.state.0.exp_avg"  # an int key
+
+
+def test_entries_are_the_dataclass_they_say(saved: Any) -> None:
+    """The index's entries, made without TensorEntry's __init__, equal entries made with it,
+    field by field, and stay frozen."""
+    path, _, _ = saved
+    with ckptstream.open(path) as reader:
+        entries = reader.entries()
+    assert {e.key for e in entries} >= {"optim.state.0.exp_avg", "views.grid", "model.head"}  # int keys, views, ties
+    for e in entries:
+        fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(ckptstream.TensorEntry)}
+        assert fields["key"] == ".".join(map(str, e.path))
+        made = ckptstream.TensorEntry(**fields)
+        assert made == e
+        assert hash(made) == hash(e)
+        assert repr(made) == repr(e)
+        assert vars(made) == vars(e)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            e.offset = 0  # type: ignore[misc]
 
 
 def test_entries_are_the_files_bytes_and_their_crc32c(saved: Any, place: Place) -> None:

@@ -19,6 +19,7 @@ at its file position: it gets an ordinary allocation of its own.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import mmap
 from collections.abc import Collection, Sequence
@@ -29,6 +30,12 @@ from ._engine import Piece
 from ._header import TensorInfo, empty_tensor
 
 SMALL = 1 << 20  # device tensors below share allocations
+# Host tensors below this are gathered by ``host_scratch``, in runs of at least HOST_RUN back to
+# back in the file: there a piece of its own costs the read engine more than the copy from scratch
+# memory; a larger tensor costs more to copy, and a few in a run save less than the checksums by
+# span (which the runs need) cost the other pieces of the read.
+HOST_SMALL = 16 << 10
+HOST_RUN = 8
 BLOCK = 64 << 20  # the most bytes one shared allocation spans; host tensors below share
 HUGE = 2 << 20  # host allocations from this size are advised for huge pages
 PAGE = mmap.PAGESIZE
@@ -72,6 +79,58 @@ def arrange(infos: Sequence[TensorInfo], data_start: int, device: torch.device,
             run = []
     _flush(out, run, data_start, device)
     return out  # runs are flushed in file order: so are the spans
+
+
+@dataclasses.dataclass
+class HostScratch:
+    """Host memory that runs of small stored tensors are read into (one piece per run), and
+    where in it each one's bytes are, for ``move_into`` once they are verified; the tensors of
+    runs shorter than HOST_RUN go straight to their destinations (``alone``)."""
+
+    pieces: list[Piece]
+    dests: list[torch.Tensor]  # of the tensors moved in, in file order
+    sources: list[int]  # per destination: the address of its bytes in the memory
+    alone: list[tuple[TensorInfo, torch.Tensor]]
+    area: mmap.mmap | None  # the memory, held until the bytes are moved
+
+
+def host_scratch(infos: Sequence[TensorInfo], dests: Sequence[torch.Tensor], data_start: int) -> HostScratch:
+    """Scratch host memory for ``infos`` (small tensors with bytes, in file order, bound for
+    ``dests``): one allocation for the runs of them back to back in the file (up to ``BLOCK``
+    bytes), a piece per run, each placed where memory and file agree modulo the page size."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(infos):
+        if runs and t.begin == infos[runs[-1][-1]].end and t.end - infos[runs[-1][0]].begin <= BLOCK:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    out = HostScratch([], [], [], [(infos[i], dests[i]) for run in runs if len(run) < HOST_RUN for i in run], None)
+    runs = [run for run in runs if len(run) >= HOST_RUN]
+    places, size = [], 0
+    for run in runs:
+        lo, hi = infos[run[0]].begin, infos[run[-1]].end
+        at = size + (data_start + lo - size) % PAGE
+        places.append(at)
+        size = at + hi - lo
+    if not runs:
+        return out
+    out.area, _ = host_area(size, 0)
+    memory = torch.frombuffer(out.area, dtype=torch.uint8)
+    base = memory.data_ptr()
+    for run, at in zip(runs, places, strict=True):
+        first = infos[run[0]].begin
+        out.pieces.append(Piece.of(memory[at : at + infos[run[-1]].end - first], data_start + first))
+        out.dests.extend(dests[i] for i in run)
+        out.sources.extend(base + at + infos[i].begin - first for i in run)
+    return out
+
+
+def move_into(destinations: Sequence[torch.Tensor], sources: Sequence[int]) -> None:
+    """Copy each source's bytes (an address in scratch host memory) into its destination (a
+    plain, contiguous host tensor of as many bytes): one C call each, no torch call."""
+    move = ctypes.memmove
+    for dst, src in zip(destinations, sources, strict=True):
+        move(dst.data_ptr(), src, dst.nbytes)
 
 
 def shared_below_on(device: torch.device) -> int:

@@ -54,7 +54,7 @@ def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
 
 
 def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-         mmap: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
+         mmap: bool | None = None, verify: bool | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
          io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
     """Load a state saved by ``save`` (or any safetensors file, as a flat dict).
 
@@ -63,10 +63,13 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
         device: where every tensor lands ("cpu", "cuda", "cuda:1", a torch.device).
         checksum: compare every tensor with its stored CRC-32C (``verify`` in 0.1.0).
         progress: show a progress bar on stderr.
-        mmap: (``device="cpu"`` only) instead of copying the data, return tensors backed by a
-            private, copy-on-write mapping of the file: a load that reads nothing up front
-            except to verify checksums (``checksum=True`` reads every byte once, on up to
-            ``max(io_threads, hot_io_threads)`` threads, at most one per core). The tensors
+        mmap: whether CPU tensors are backed by a private, copy-on-write mapping of the file
+            instead of new memory. None (the default): mapped where ``device`` is "cpu" and
+            the storage can map the file (a local file), copied otherwise; True: mapped, or
+            an error (CPU only); False: always copied into new memory (the tensors then owe
+            nothing to the file). A mapped load reads nothing up front except to verify
+            checksums: ``checksum=True`` reads every byte once before ``load`` returns, on up
+            to ``max(io_threads, hot_io_threads)`` threads, at most one per core. The tensors
             read the file lazily as they are used: the file must not be modified in place or
             truncated while they live (truncation by another program can kill the process
             with SIGBUS; ckptstream's own saves replace files by rename, which is safe).
@@ -86,7 +89,8 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
 
     Example:
         >>> state = ckptstream.load("ckpt.safetensors", device="cuda")
-        >>> weights = ckptstream.load("model.safetensors", mmap=True)   # CPU, mapped
+        >>> weights = ckptstream.load("model.safetensors")                # CPU, mapped
+        >>> owned = ckptstream.load("model.safetensors", mmap=False)     # CPU, copied
     """
     checksum = checksum_argument(checksum, verify, "load")
     if mmap:  # before the file is opened

@@ -310,12 +310,12 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         >>> fresh_opt.load_state_dict(loaded["optim"])   # the moments were created on the model's GPU
     """
     checksum = checksum_argument(checksum, verify, "load_into")
+    # the collector paused throughout, as in load: a few objects per tensor, none in cycles
     with _gc.paused():
         targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
-    gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
-    with gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
-                                           io_threads=io_threads, direct_io=direct_io) as reader:
-        with _gc.paused():
+        gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
+        with gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
+                                               io_threads=io_threads, direct_io=direct_io) as reader:
             entries = {e.path: e for e in reader.entries()}
             created, blobs = _created(reader, state, targets, device)
             targets.update(created)
@@ -325,9 +325,8 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             dests, copies = _destinations(entries.values(), targets, blobs)
             # every stored tensor: those without a target are read for their checksums
             wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
-        reader.stream(wanted, checksum=checksum, progress=progress)
-        with torch.no_grad():
-            for target, source in copies:
-                copyable(target).copy_(copyable(source))
-        with _gc.paused():
+            reader.stream(wanted, checksum=checksum, progress=progress)
+            with torch.no_grad():
+                for target, source in copies:
+                    copyable(target).copy_(copyable(source))
             return reader.rebuild(lambda entry: targets.get(entry.path))

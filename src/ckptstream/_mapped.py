@@ -1,16 +1,18 @@
-"""``load(..., mmap=True)``: CPU tensors backed by a private mapping of the checkpoint file.
+"""The mapped load: CPU tensors backed by a private mapping of the checkpoint file, what
+``load(device="cpu")`` returns by default (``mmap=None``; ``mmap=True`` insists on it).
 
 A copying load moves every byte through memory twice (page cache -> staging or tensor); a mapped
 load moves none: each tensor is a view of a copy-on-write mapping (``MAP_PRIVATE``, readable and
 writable) of the file, and its pages come from the page cache when first touched. Writes to the
 tensors stay in this process. With checksums, every tensor's CRC-32C is computed over the mapped
-bytes at load time, several threads taking contiguous runs of the data section (large tensors cut
-into pieces whose CRCs are combined), so a corrupt tensor is reported before the state is
-returned. Without, nothing is read up front.
+bytes at load time, several threads taking tasks of a few MiB of the data section in file order
+(large tensors cut into pieces whose CRCs are combined) while the caller's thread makes the
+tensors and the state, then joins them; so a corrupt tensor is reported before the state is
+returned, and every byte has been read once. Without, nothing is read up front.
 
 The mapping is the source's (``Source.map``: a local file maps, holding the file but no
 descriptor); it is unmapped when the last tensor backed by it is freed. A storage that cannot
-map (an object store) gets a clear error.
+map (an object store) gets a clear error with ``mmap=True``, and the copying load by default.
 
 The file must not be truncated or modified in place while the tensors live: pages not yet read
 would show the new bytes, and pages past a truncation raise SIGBUS. ckptstream's own saves
@@ -19,11 +21,12 @@ replace a file by rename, which leaves the mapped (old) file intact.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -37,11 +40,12 @@ from ._storage import Region, round_down
 if TYPE_CHECKING:
     from ._reader import CheckpointReader
 
-PIECE = 16 << 20  # bytes per checksum piece: a large tensor is checksummed by several threads
-THREADED_FROM = 8 << 20  # smaller data sections are checksummed in the caller's thread
-# Below this mean piece size the checksum pass is bound by Python's per-call work, which holds
-# the GIL: more threads would only take turns on it.
-THREADED_MEAN = 1 << 20
+PIECE = 4 << 20  # bytes per checksum piece: a large tensor is checksummed by several threads
+TASK = 4 << 20  # bytes a thread takes at a time (runs of small tensors grouped up to it): small
+# enough that the threads end together, large enough that each call brings in many pages
+RELEASES_GIL = 32 << 10  # the checksum of this many bytes or more releases the GIL (crc32c's rule)
+THREADED_FROM = 8 << 20  # fewer bytes in large pieces are checksummed in the caller's thread
+T = TypeVar("T")
 
 
 def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
@@ -55,38 +59,55 @@ def _tensor(region: Region, info: TensorInfo, at: int) -> torch.Tensor:
         raw = torch.frombuffer(region.buffer, dtype=torch.uint8, count=info.nbytes, offset=at).clone()
         return raw.view(info.dtype).view(info.shape)
     count = info.nbytes // info.dtype.itemsize
-    return torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at).view(info.shape)
+    flat = torch.frombuffer(region.buffer, dtype=info.dtype, count=count, offset=at)
+    return flat if len(info.shape) == 1 else flat.view(info.shape)  # one call less per tensor
 
 
-def mapped_tensors(reader: CheckpointReader, device: torch.device, *, checksum: bool = True,
-                   progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every stored tensor of ``reader``'s file, by its table name, as CPU tensors backed by a
-    private mapping of the file; with ``checksum``, each is compared with its stored CRC-32C
-    first (CorruptCheckpointError naming the tensor and the file)."""
+def mapped_load(reader: CheckpointReader, device: torch.device, build: Callable[[dict[str, torch.Tensor]], T], *,
+                checksum: bool = True, progress: bool = False, required: bool = True) -> tuple[bool, T | None]:
+    """``build`` of every stored tensor of ``reader``'s file, by its table name, as CPU tensors
+    backed by a private mapping of the file; with ``checksum``, each is compared with its
+    stored CRC-32C before the result is returned (CorruptCheckpointError naming the tensor and
+    the file). The checksums run on threads while this thread makes the tensors and calls
+    ``build``, then this thread joins them. Returns (False, None), having read nothing, where
+    ``required`` is False and the storage cannot map the file."""
     check_device(device)
     header = reader.header
     infos = header.tensors
     end = header.data_start + header.data_bytes
     if header.data_bytes == 0:  # nothing to map (no tensors, or none with bytes)
-        return {t.name: empty_tensor(t.shape, t.dtype, device) for t in infos}
+        return True, build({t.name: empty_tensor(t.shape, t.dtype, device) for t in infos})
     start = round_down(header.data_start, mmap.PAGESIZE)
-    mapping = reader._source.map(start, end - start)
+    try:
+        mapping = reader._source.map(start, end - start)
+    except OSError:
+        if required:
+            raise
+        mapping = None  # a file system that refuses mappings: the copying load reads it
     if mapping is None:
+        if not required:
+            return False, None
         raise UnsupportedStorageError(f"{reader.path}: mmap=True maps a local file, and this storage cannot map its "
                                       "objects: load without mmap=True")
     size = reader._source.size()
     if size < end:  # shortened since its header was read: a touch past the end would raise SIGBUS
         raise TruncatedFileError(reader.path, header.data_start, header.data_bytes, max(0, size - header.data_start))
     base = header.data_start - start
+
+    def tensors() -> T:
+        with _gc.paused():
+            return build({t.name: _tensor(mapping, t, base + t.begin) for t in infos})
+
     with progress_bar(progress, header.data_bytes, f"load {os.path.basename(reader.path)}") as bar:
         if checksum and header.crcs is not None:
             spans = [(base + t.begin, base + t.end) for t in infos]
-            computed = span_crcs(mapping, spans, threads(reader._cfg.io_threads, reader._cfg.hot_io_threads), bar)
+            nthreads = threads(reader._cfg.io_threads, reader._cfg.hot_io_threads)
+            computed, out = span_crcs(mapping, spans, nthreads, bar, meanwhile=tensors)
             reader._compare([(t.name, crc) for t, crc in zip(infos, header.crcs, strict=True)], computed)
-        elif bar is not None:
+            return True, out
+        if bar is not None:
             bar(header.data_bytes)
-    with _gc.paused():
-        return {t.name: _tensor(mapping, t, base + t.begin) for t in infos}
+    return True, tensors()
 
 
 def check_device(device: Any) -> None:
@@ -104,75 +125,104 @@ def threads(io_threads: int, hot_io_threads: int) -> int:
 
 
 def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
-              bar: Callable[[int], None] | None = None) -> list[int]:
+              bar: Callable[[int], None] | None = None, *,
+              meanwhile: Callable[[], T] | None = None) -> tuple[list[int], T | None]:
     """The CRC-32C of each byte span [lo, hi) of the mapping (spans in file order, back to back
-    or not), computed by up to ``nthreads`` threads, each over a contiguous run of pieces."""
-    parts, total = _pieces(spans)
-    if total < THREADED_FROM or total < THREADED_MEAN * len(parts):
-        nthreads = 1
-    nthreads = max(1, min(nthreads, len(parts)))
-    runs = _split(parts, total, nthreads)
+    or not), and what ``meanwhile()`` returns.
+
+    Checksum calls over large pieces release the GIL, over small ones they hold it. So the
+    other threads (up to ``nthreads`` in all) take only tasks of large pieces (contiguous runs
+    of about TASK bytes in file order, each brought in with one call), while this thread runs
+    ``meanwhile`` (Python work), checksums the small pieces, then takes the tasks left: a thread
+    that holds the GIL for long never keeps another from its next large piece for long.
+    """
+    parts = _pieces(spans)
+    small, tasks, nthreads = _shares(parts, nthreads)
     crcs = [0] * len(parts)
     view = memoryview(mapping.buffer).cast("B")
     stop = threading.Event()
     errors: list[BaseException] = []
+    taken = itertools.count()  # the next task: next() on it is atomic under the GIL
 
-    def work(first: int, last: int) -> None:
+    def checksum(ks: Sequence[int]) -> None:
+        for k in ks:
+            if stop.is_set():
+                return
+            _, lo, hi = parts[k]
+            crcs[k] = _checksum.crc_of(view[lo:hi])
+            if bar is not None:
+                bar(hi - lo)
+
+    def work() -> None:
         try:
-            if first < last:
-                # one call brings the run's pages in; where refused, the reads below fault them in
-                mapping.prefetch(parts[first][1], parts[last - 1][2])
-            for k in range(first, last):
-                if stop.is_set():
+            while not stop.is_set():
+                t = next(taken)
+                if t >= len(tasks):
                     return
-                _, lo, hi = parts[k]
-                crcs[k] = _checksum.crc_of(view[lo:hi])
-                if bar is not None:
-                    bar(hi - lo)
+                ks = tasks[t]
+                # one call brings the task's pages in; where refused, the reads below fault them in
+                mapping.prefetch(parts[ks[0]][1], parts[ks[-1]][2])
+                checksum(ks)
         except BaseException as e:  # handed to the caller's thread
             errors.append(e)
             stop.set()
 
-    workers = [threading.Thread(target=work, args=run, name=f"ckptstream-crc-{i}", daemon=True)
-               for i, run in enumerate(runs[1:], 1)]
+    workers = [threading.Thread(target=work, name=f"ckptstream-crc-{i}", daemon=True) for i in range(1, nthreads)]
     started: list[threading.Thread] = []
+    out: T | None = None
     try:
         for w in workers:
             w.start()
             started.append(w)
-        work(*runs[0])
+        try:
+            out = meanwhile() if meanwhile is not None else None
+            checksum(small)
+        except BaseException:
+            stop.set()
+            raise
+        work()
     finally:
         control.join(started, on_interrupt=stop.set)  # each worker stops after its current piece
     if errors:
         raise errors[0]
-    values = [0] * len(spans)
-    for (i, lo, hi), crc in zip(parts, crcs, strict=True):
-        values[i] = _checksum.combine(values[i], crc, hi - lo)
-    return values
+    folded = [(i, crc, hi - lo) for (i, lo, hi), crc in zip(parts, crcs, strict=True)]
+    return _checksum.span_crcs(len(spans), [folded]), out
 
 
-def _pieces(spans: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
-    """(span, lo, hi) pieces of at most PIECE bytes of every span, and their bytes in all."""
+def _pieces(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(span, lo, hi) pieces of at most PIECE bytes of every span."""
     parts: list[tuple[int, int, int]] = []
-    total = 0
     for i, (lo, hi) in enumerate(spans):
-        total += hi - lo
         if hi - lo <= PIECE:
             parts.append((i, lo, hi))
         else:
             parts.extend((i, p, min(p + PIECE, hi)) for p in range(lo, hi, PIECE))
-    return parts, total
+    return parts
 
 
-def _split(parts: Sequence[tuple[int, int, int]], total: int, n: int) -> list[tuple[int, int]]:
-    """``n`` contiguous runs [first, last) of ``parts`` with about equal bytes each."""
-    runs, first, done = [], 0, 0
-    for r in range(1, n):
-        goal, k = total * r // n, first
-        while k < len(parts) and done < goal:
-            done += parts[k][2] - parts[k][1]
-            k += 1
-        runs.append((first, k))
-        first = k
-    runs.append((first, len(parts)))
-    return runs
+def _shares(parts: Sequence[tuple[int, int, int]], nthreads: int) -> tuple[list[int], list[list[int]], int]:
+    """The parts that the caller's thread checksums alone (the small ones, where threads run),
+    the tasks that any thread takes, and how many threads run (the caller's included)."""
+    large = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo >= RELEASES_GIL]
+    if nthreads < 2 or sum(parts[k][2] - parts[k][1] for k in large) < THREADED_FROM:
+        return [], _tasks(parts, range(len(parts)), TASK), 1
+    small = [k for k, (_, lo, hi) in enumerate(parts) if hi - lo < RELEASES_GIL]
+    tasks = _tasks(parts, large, TASK)
+    return small, tasks, min(nthreads, len(tasks))
+
+
+def _tasks(parts: Sequence[tuple[int, int, int]], ks: Iterable[int], size: int) -> list[list[int]]:
+    """The parts ``ks`` (in file order) cut into runs of about ``size`` bytes each (a part is
+    never cut)."""
+    tasks: list[list[int]] = []
+    run: list[int] = []
+    held = 0
+    for k in ks:
+        run.append(k)
+        held += parts[k][2] - parts[k][1]
+        if held >= size:
+            tasks.append(run)
+            run, held = [], 0
+    if run:
+        tasks.append(run)
+    return tasks

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
+import heapq
 import math
+import operator
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -66,6 +67,23 @@ class TensorEntry:
     def dtype_name(self) -> str:
         """The dtype's name in the file's tensor table, as safetensors names it ("F32", "BF16")."""
         return _header.DTYPE_NAMES[self.dtype]
+
+
+_new, _set = object.__new__, object.__setattr__
+
+
+def _entry(path: KeyPath, dtype: torch.dtype, shape: tuple[int, ...], stored_as: str, offset: int, end: int,
+           checksum: int | None, view: View | None) -> TensorEntry:
+    """``TensorEntry(key_str(path), path, ...)``, made without the frozen dataclass's __init__
+    (one setattr per field): an index of many thousands of tensors is made on every load_into."""
+    try:
+        key = ".".join(path) if path else "<root>"  # type: ignore[arg-type]
+    except TypeError:  # an int key
+        key = key_str(path)
+    entry = _new(TensorEntry)
+    _set(entry, "__dict__", {"key": key, "path": path, "dtype": dtype, "shape": shape, "stored_as": stored_as,
+                             "offset": offset, "end": end, "checksum": checksum, "view": view})
+    return entry
 
 
 def as_device(device: Device) -> torch.device:
@@ -125,13 +143,18 @@ class CheckpointReader:
         h, s = self.header, self._structure
         infos = {t.name: t for t in h.tensors}
         crcs = dict(zip(infos, h.crcs, strict=True)) if h.crcs is not None else {}
+        start, views, stored_as = h.data_start, s.views, s.tensors
         entries = {}
         for path in s.paths:
-            view = s.views.get(path)
-            info = infos[view.base if view is not None else s.tensors[path]]
-            dtype, shape = (view.dtype, view.shape) if view is not None else (info.dtype, info.shape)
-            entries[path] = TensorEntry(key_str(path), path, dtype, shape, info.name, h.data_start + info.begin,
-                                        h.data_start + info.end, crcs.get(info.name), view)
+            view = views.get(path)
+            if view is None:
+                info = infos[stored_as[path]]
+                dtype, shape = info.dtype, info.shape
+            else:
+                info = infos[view.base]
+                dtype, shape = view.dtype, view.shape
+            entries[path] = _entry(path, dtype, shape, info.name, start + info.begin, start + info.end,
+                                   crcs.get(info.name), view)
         return entries
 
     @functools.cached_property
@@ -286,27 +309,36 @@ class CheckpointReader:
         return TensorSlice(self, self.entry(key))
 
     def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-             mmap: bool = False) -> Any:
-        """The whole state (see ``ckptstream.load``); on the "meta" device its structure only,
-        with tensors of the right dtypes and shapes and nothing read."""
+             mmap: bool | None = None) -> Any:
+        """The whole state (see ``ckptstream.load``: on the CPU mapped by default); on the
+        "meta" device its structure only, with tensors of the right dtypes and shapes and
+        nothing read."""
+        if mmap:
+            _mapped.check_device(as_device(device))
         dev = as_device(device)
         dev = dev if dev.type == "meta" else target_device(dev)
-        if mmap:
-            tensors = _mapped.mapped_tensors(self, dev, checksum=checksum, progress=progress)
-        elif dev.type == "meta":
-            tensors = {t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors}
-        else:
-            tensors = self._load_tensors(dev, checksum, progress)
-        views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        def view_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
-            view = self._structure.views[path]
-            if view not in views:
-                views[view] = make_view(tensors[view.base], view)
-            return views[view]
+        def build(tensors: dict[str, torch.Tensor]) -> Any:
+            views: dict[View, torch.Tensor] = {}  # identical views come back as one tensor object
 
-        with _gc.paused():
-            return rebuild(self._structure.tree, tensors, view_leaf)
+            def view_leaf(path: KeyPath, node: dict[str, Any]) -> torch.Tensor:
+                view = self._structure.views[path]
+                if view not in views:
+                    views[view] = make_view(tensors[view.base], view)
+                return views[view]
+
+            with _gc.paused():
+                return rebuild(self._structure.tree, tensors, view_leaf)
+
+        if mmap or (mmap is None and dev.type == "cpu"):
+            # by default a storage that cannot map (an object store) gets the copying load
+            mapped, state = _mapped.mapped_load(self, dev, build, checksum=checksum, progress=progress,
+                                                required=bool(mmap))
+            if mapped:
+                return state
+        if dev.type == "meta":
+            return build({t.name: empty_tensor(t.shape, t.dtype, dev) for t in self.header.tensors})
+        return build(self._load_tensors(dev, checksum, progress))
 
     def _load_tensors(self, dev: torch.device, checksum: bool, progress: bool) -> dict[str, torch.Tensor]:
         """Every stored tensor, read into few allocations on ``dev`` (see ``_blocks``)."""
@@ -346,34 +378,27 @@ class CheckpointReader:
         to None is read for its checksum only (not read without checksums), names not in
         ``dests`` are skipped. With ``checksum``, compare each with its stored CRC-32C.
 
-        Small tensors bound for a GPU, into plain contiguous tensors of their dtype and shape,
-        are read as a whole load reads them: runs of them into a scratch allocation per device
-        (see ``_blocks``; at most ``GATHER_UP_TO`` bytes each), checksummed there, then copied
-        into their destinations with one call per device. Thousands of them cost one piece per
-        run instead of one each."""
+        Small tensors into plain contiguous tensors of their dtype and shape are read as a
+        whole load reads them: runs of them into scratch memory (see ``_blocks``; at most
+        ``GATHER_UP_TO`` bytes per device), checksummed there, then moved into their
+        destinations once verified: on a GPU with one copy call per device, in host memory
+        with one memmove each. Thousands of them cost one piece per run instead of one each,
+        and a checksum that fails leaves their destinations untouched."""
         check = checksum and self.header.crcs is not None
-        start, crcs = self.header.data_start, self.header.crcs or itertools.repeat(0)
         with _gc.paused():
-            gathered = _gathered(self.header.tensors, dests)
-            runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in gathered.items()}
-            pieces: list[Piece] = [p for to in runs.values() for p in to.pieces]
-            spans = [(*span, name) for to in runs.values() for span, name in zip(to.spans, to.names, strict=True)]
-            taken = {name for to in runs.values() for name in to.tensors}
-            for t in self.header.tensors:
-                dst = dests.get(t.name, _SKIP) if t.end > t.begin else _SKIP  # no bytes: nothing to read or check
-                if isinstance(dst, torch.Tensor):
-                    if t.name not in taken:
-                        pieces.append(Piece.of(dst, start + t.begin))
-                        spans.append((start + t.begin, start + t.end, t.name))
-                elif dst is None and check:
-                    pieces.append(Piece.unread(t.nbytes, start + t.begin))
-                    spans.append((start + t.begin, start + t.end, t.name))
-            if runs:  # each piece's bytes, or a run's tensors: checksums by span, in file order
-                spans.sort()
-            by_name = dict(zip((t.name for t in self.header.tensors), crcs, strict=False))
-            stored = [(name, by_name[name]) for *_, name in spans]
-        got = self._run(pieces, check, progress, stream=stream, spans=[(b, e) for b, e, _ in spans] if runs else None)
-        self._compare(stored if check else [], got)
+            plan = _plan_stream(self.header, dests, check)
+            start = self.header.data_start
+            host = _blocks.host_scratch(plan.host, plan.host_dests, start)
+            runs = {dev: _blocks.arrange(infos, start, dev) for dev, infos in plan.gpu.items()}
+            # the others one piece each, in file order as plan.stored is (without spans the engine
+            # gives one checksum per piece)
+            alone = [Piece.of(dst, start + t.begin) for t, dst in host.alone]
+            direct = list(heapq.merge(plan.pieces, alone, key=operator.attrgetter("offset"))) if alone else plan.pieces
+            pieces = [*host.pieces, *(p for to in runs.values() for p in to.pieces), *direct]
+        gathering = bool(runs or host.pieces)  # checksums by span (each piece's, or a run's tensors)
+        got = self._run(pieces, check, progress, stream=stream, spans=plan.spans if gathering else None)
+        self._compare(plan.stored, got)
+        _blocks.move_into(host.dests, host.sources)
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for to in runs.values():  # on the stream the engine handed its copies back to
                 torch._foreach_copy_([dests[n] for n in to.names], [to.tensors[n] for n in to.names])  # type: ignore[misc]
@@ -396,28 +421,65 @@ class CheckpointReader:
         self.close()
 
 
-GATHER_UP_TO = 256 << 20  # scratch bytes per GPU that ``stream`` may gather small tensors in
+GATHER_UP_TO = 256 << 20  # scratch bytes per device that ``stream`` may gather small tensors in
 
 
-def _gathered(infos: Sequence[_header.TensorInfo], dests: Mapping[str, torch.Tensor | None]
-              ) -> dict[torch.device, list[_header.TensorInfo]]:
-    """By GPU, the small stored tensors (in file order) whose destinations a scratch run can fill
-    with one copy call: plain, contiguous, of the stored dtype and shape. (On the CPU the engine
-    reads straight into each destination for about the same cost.)"""
-    out: dict[int, list[_header.TensorInfo]] = {}
-    room: dict[int, int] = {}
-    for t in infos:
-        dst = dests.get(t.name)
-        if (dst is None or not dst.is_cuda or not 0 < t.nbytes < _blocks.SMALL or type(dst) not in PLAIN_TENSORS
-                or dst.dtype is not t.dtype or t.dtype in BYTE_COPIED or not dst.is_contiguous()
-                or dst.shape != t.shape):  # BYTE_COPIED: dtypes some torch releases cannot copy
+@dataclasses.dataclass
+class _StreamPlan:
+    """What ``stream`` reads, by one pass over the stored tensors in file order: the small ones
+    that go through scratch memory (``host``, with their destinations, and ``gpu`` by device),
+    the pieces of the others (straight into their destinations, or read for their checksums
+    only), and every tensor's span and stored CRC-32C, in file order."""
+
+    host: list[_header.TensorInfo] = dataclasses.field(default_factory=list)
+    host_dests: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    gpu: dict[torch.device, list[_header.TensorInfo]] = dataclasses.field(default_factory=dict)
+    pieces: list[Piece] = dataclasses.field(default_factory=list)
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    stored: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # empty without checksums
+
+
+def _plan_stream(header: Header, dests: Mapping[str, torch.Tensor | None], check: bool) -> _StreamPlan:
+    """Which way each stored tensor of ``dests`` goes. Small tensors whose destinations a
+    scratch run can fill (plain, contiguous, of the stored dtype and shape; in host memory
+    without a conjugate or negative bit, as their bytes are moved as they are) are gathered:
+    below ``_blocks.SMALL`` bytes on a GPU, ``_blocks.HOST_SMALL`` in host memory, up to
+    ``GATHER_UP_TO`` bytes per device. No bytes: nothing to read or check."""
+    plan = _StreamPlan()
+    start, crcs = header.data_start, header.crcs
+    room: dict[torch.device, int] = {}
+    get, plain, small, host_small, strided = dests.get, PLAIN_TENSORS, _blocks.SMALL, _blocks.HOST_SMALL, torch.strided
+    pieces, spans, stored = plan.pieces, plan.spans, plan.stored
+    host_room = GATHER_UP_TO
+    for i, t in enumerate(header.tensors):
+        nbytes = t.end - t.begin
+        dst = get(t.name, _SKIP) if nbytes else _SKIP
+        if dst is _SKIP or (dst is None and not check):
             continue
-        gpu = dst.get_device()
-        left = room.get(gpu, GATHER_UP_TO) - t.nbytes
-        if left >= 0:
-            room[gpu] = left
-            out.setdefault(gpu, []).append(t)
-    return {torch.device("cuda", gpu): run for gpu, run in out.items()}
+        spans.append((start + t.begin, start + t.end))
+        if check:
+            stored.append((t.name, crcs[i]))  # type: ignore[index]
+        if not isinstance(dst, torch.Tensor):  # None: read for its checksum only
+            pieces.append(Piece.unread(nbytes, start + t.begin))
+            continue
+        if (nbytes < small and type(dst) in plain and dst.dtype is t.dtype and dst.is_contiguous()
+                and dst.shape == t.shape):
+            if dst.is_cpu:
+                if (nbytes < host_small and host_room >= nbytes and dst.layout is strided and not dst.is_conj()
+                        and not dst.is_neg()):
+                    host_room -= nbytes
+                    plan.host.append(t)
+                    plan.host_dests.append(dst)
+                    continue
+            elif dst.is_cuda and t.dtype not in BYTE_COPIED:  # dtypes some torch releases cannot copy
+                where = dst.device
+                left = room.get(where, GATHER_UP_TO) - nbytes
+                if left >= 0:
+                    room[where] = left
+                    plan.gpu.setdefault(where, []).append(t)
+                    continue
+        pieces.append(Piece.of(dst, start + t.begin))
+    return plan
 
 
 class TensorSlice:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import gc
 import os
 import signal
 import sys
@@ -105,12 +106,52 @@ def save_sharded(ctx: Ctx, path: Path, **options: Any) -> dict[str, Any]:
     return state
 
 
+class CollectorProbe(dcp.DefaultSavePlanner):
+    """Notes whether the process's objects are frozen (out of the cyclic collector's scans) in
+    each planning step of a save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: dict[str, bool] = {}
+
+    def create_local_plan(self) -> Any:
+        self.frozen["local"] = gc.get_freeze_count() > 0
+        return super().create_local_plan()
+
+    def create_global_plan(self, plans: Any) -> Any:
+        self.frozen["global"] = gc.get_freeze_count() > 0
+        return super().create_global_plan(plans)
+
+    def finish_plan(self, plan: Any) -> Any:
+        self.frozen["finish"] = gc.get_freeze_count() > 0
+        return super().finish_plan(plan)
+
+    def resolve_data(self, item: Any) -> Any:
+        self.frozen["write"] = gc.get_freeze_count() > 0
+        return super().resolve_data(item)
+
+
+def frozen_while_planning(ctx: Ctx, state: dict[str, Any]) -> None:
+    """The process's objects are frozen from the writer's set-up through the planning and the
+    write on every rank (the coordinator unpickles the ranks' plans, then their results), and
+    thawed when the save returns."""
+    probe = CollectorProbe()
+    assert gc.get_freeze_count() == 0
+    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "probed")  # alive: its end would thaw them too
+    dcp.save(state, storage_writer=writer, planner=probe)
+    want = {"local": True, "finish": True, "write": True, **({"global": True} if ctx.rank == 0 else {})}
+    assert probe.frozen == want, (ctx.rank, probe.frozen)
+    assert gc.get_freeze_count() == 0, "objects stayed frozen after the save"
+    del writer
+
+
 def scenario_reshard(ctx: Ctx) -> None:
     work = ctx.workdir
     if ctx.rank == 0:
         ref = {**global_tensors(), **{f"plain.{r}": plain_value(r) for r in range(ctx.world)}}
         ckptstream.save(ref, work / "reference.safetensors")
     state = save_sharded(ctx, work / "sharded")
+    frozen_while_planning(ctx, state)
     for kind in ("shard1", "replicate"):
         loaded = target(ctx, kind)
         dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(work / "sharded"))

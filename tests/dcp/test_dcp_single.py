@@ -4,6 +4,7 @@ not what their metadata says."""
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -230,3 +231,45 @@ def test_reader_and_writer_take_checkpoint_id(tmp_path: Path) -> None:
     loaded = {"w": poisoned_like(w)}
     single_process(dcp.load, loaded, checkpoint_id=tmp_path / "ckpt", storage_reader=StreamReader(tmp_path / "no"))
     assert same_bits(loaded["w"], w)
+
+
+class FailingGlobalPlan(dcp.DefaultSavePlanner):
+    def create_global_plan(self, plans: Any) -> Any:
+        raise RuntimeError("planted planning failure")
+
+
+class FreezeProbe(dcp.DefaultSavePlanner):
+    def create_local_plan(self) -> Any:
+        self.frozen = gc.get_freeze_count()
+        return super().create_local_plan()
+
+
+def test_the_process_is_frozen_while_dcp_plans_and_thawed_after(tmp_path: Path) -> None:
+    """From the writer's set-up to the end of its finish (of its write, on a rank that is not
+    the coordinator) the process's objects are out of the cyclic collector's scans (gc.freeze),
+    and in them again after; a save whose planning fails never gets there, so the writer's next
+    reset, or its end, thaws them; a process that froze objects itself is left alone."""
+    state = {"w": torch.randn(300, 7)}
+    assert gc.get_freeze_count() == 0
+    writer, probe = StreamWriter(tmp_path / "ckpt"), FreezeProbe()
+    single_process(dcp.save, state, storage_writer=writer, planner=probe)
+    assert probe.frozen > 0
+    assert gc.get_freeze_count() == 0
+    raises_in_dcp(RuntimeError, "planted planning failure", single_process, dcp.save, state,
+                  storage_writer=writer, planner=FailingGlobalPlan())
+    assert gc.get_freeze_count() > 0  # planning failed before the write
+    writer.reset()
+    assert gc.get_freeze_count() == 0
+    raises_in_dcp(RuntimeError, "planted planning failure", single_process, dcp.save, state,
+                  storage_writer=StreamWriter(tmp_path / "other"), planner=FailingGlobalPlan())
+    gc.collect()  # the writer, held by the failure's traceback until now, is gone: its end thawed them
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own freeze
+    try:
+        frozen = gc.get_freeze_count()
+        probe = FreezeProbe()
+        single_process(dcp.save, state, storage_writer=StreamWriter(tmp_path / "ckpt"), planner=probe)
+        assert probe.frozen <= frozen  # not frozen again (frozen objects may be freed meanwhile)
+        assert gc.get_freeze_count() > 0  # nor thawed
+    finally:
+        gc.unfreeze()

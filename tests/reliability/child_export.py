@@ -22,8 +22,12 @@ from ckptstream._storage import files
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}
 
 
+_said = threading.Lock()
+
+
 def ready_and_wait() -> None:
-    print("ready", flush=True)
+    if _said.acquire(blocking=False):  # once: several I/O threads may reach the point together
+        print("ready", flush=True)
     threading.Event().wait()  # until the parent's SIGKILL
 
 

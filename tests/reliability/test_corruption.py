@@ -4,9 +4,10 @@ lengths. Each case is a file of a few to a few tens of KiB, so hundreds of cases
 What each damage must do (and nothing else: no other exception, no hang):
 - a flipped data bit: load, verify and load_into raise CorruptCheckpointError naming the tensor;
   load_into's targets that the file's bytes stream into then hold those unverified bytes, and
-  those filled by a copy after the checks (views of shared bytes, the second key of a tied
-  tensor) their old contents: in a small single-chunk file, and in many chunks read by
-  several threads;
+  those filled only after the checks (small contiguous host tensors, moved in from the scratch
+  memory their run is read into; views of shared bytes; the second key of a tied tensor) their
+  old contents: in a small single-chunk file, and in many chunks read by several threads, with
+  small tensors gathered (the default) and streamed straight in (``gathering``);
 - a flipped header bit: CorruptCheckpointError from load, verify and read_metadata;
 - a truncated file: CorruptCheckpointError before any byte reaches load_into's targets.
 """
@@ -26,7 +27,7 @@ from fuzzutil import element_bytes
 from relutil import small_state, tensors_of
 
 import ckptstream
-from ckptstream import CorruptCheckpointError
+from ckptstream import CorruptCheckpointError, _blocks
 from ckptstream._header import Header
 from helpers import direct_io_supported
 
@@ -45,6 +46,21 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, bytes, Head
     with ckptstream.open(path) as reader:
         header = reader.header
     return state, path.read_bytes(), header
+
+
+@pytest.fixture(params=["gathered", "straight"])
+def gathering(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether load_into reads every small host tensor into scratch runs (the host threshold
+    raised to the GPU's and runs of any length taken, so that all of this module's contiguous
+    tensors are gathered) or, with the thresholds at one byte, streams every tensor straight
+    into its target."""
+    if request.param == "straight":
+        monkeypatch.setattr(_blocks, "SMALL", 1)
+        monkeypatch.setattr(_blocks, "HOST_SMALL", 1)
+    else:
+        monkeypatch.setattr(_blocks, "HOST_SMALL", _blocks.SMALL)
+        monkeypatch.setattr(_blocks, "HOST_RUN", 1)
+    return bool(request.param == "gathered")
 
 
 def poisoned(state: Any) -> Any:
@@ -96,7 +112,7 @@ def _quick(fn: Any, *args: Any, **kwargs: Any) -> Any:
         assert time.monotonic() - t0 < 5, f"{fn.__name__} took {time.monotonic() - t0:.1f} s"
 
 
-def test_data_bit_flips_name_the_tensor(original: tuple[Any, bytes, Header], tmp_path: Path) -> None:
+def test_data_bit_flips_name_the_tensor(original: tuple[Any, bytes, Header], tmp_path: Path, gathering: bool) -> None:
     state, data, header = original
     rng = random.Random(1)
     owners = [t for t in header.tensors if t.nbytes]
@@ -120,11 +136,12 @@ def test_data_bit_flips_name_the_tensor(original: tuple[Any, bytes, Header], tmp
             message = str(e.value)
             assert all(repr(k) in message for k in keys), (keys, message)  # by the user's key paths
             assert "__storage__" not in message, message  # never by an internal name
-        # the targets hold what the file holds (unverified) or, where a view's bytes go through
-        # a temporary that is only copied after the checks, their old contents
+        # the targets hold what the file holds (unverified) or, where the bytes go through scratch
+        # memory (small host tensors, gathered) or a temporary (views) that is only copied after
+        # the checks, their old contents
         unverified = tensors_of(ckptstream.load(case, checksum=False))
         for name, t in tensors_of(targets).items():
-            if name in STORED_AS_VIEWS:
+            if name in STORED_AS_VIEWS or gathering:  # every tensor of small_state is small
                 assert _is_poison(t), name
             else:
                 assert _same_bytes(t, unverified[name]), name
@@ -200,8 +217,11 @@ def test_truncation_fails_before_writing_anything(original: tuple[Any, bytes, He
 
 CHUNKY: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 3, "io_threads": 3}  # ~12 chunks, 3 readers
 # What a failed load_into leaves in the targets of chunky_state (docs/reliability.md, "Damaged
-# files"): the file's unverified bytes, corrupt or not, in every target its bytes stream into
+# files"): the file's unverified bytes, corrupt or not, in every target its bytes stream into:
+# with small tensors gathered (the default), only the non-contiguous one (the others are moved in
+# from scratch memory after the checks); streamed straight, every tensor's own target
 STREAMED = {"model.emb", "model.b", "model.nc", "model.mask", "optim.0.exp_avg", "optim.0.step"}
+STREAMED_GATHERED = {"model.nc"}
 # ... and their old contents in every target filled by a copy made only after the checks: views
 # of one blob (read into a temporary) and model.head, the second key of the tensor model.emb is
 # stored as (unless its target is model.emb's very tensor, as tied weights in a live model are)
@@ -284,14 +304,15 @@ def flip_positions(data: bytes, ranges: dict[str, tuple[int, int]], rng: random.
 @pytest.mark.parametrize("direct_io", ["off", "on"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied_target", "own_target"])
 def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, bytes, dict[str, tuple[int, int]]],
-                                                          tmp_path: Path, direct_io: str, tied: bool) -> None:
+                                                          tmp_path: Path, direct_io: str, tied: bool,
+                                                          gathering: bool) -> None:
     """A flipped bit anywhere, loaded in many chunks by several threads: CorruptCheckpointError,
     and every target holds exactly what docs/reliability.md says (see STREAMED)."""
     state, data, ranges = chunky
     if direct_io == "on" and not direct_io_supported(tmp_path):
         pytest.skip("tmp_path's file system refuses O_DIRECT")
     options = {**CHUNKY, "direct_io": direct_io}
-    streamed = STREAMED | ({"model.head"} if tied else set())
+    streamed = STREAMED_GATHERED if gathering else STREAMED | ({"model.head"} if tied else set())
     case = _write(tmp_path / "case.safetensors", data)
     targets = chunky_targets(state, tied)
     ckptstream.load_into(targets, case, **options)  # the undamaged file fills every target
@@ -318,9 +339,9 @@ def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, by
 
 
 def test_failed_load_into_streams_a_tied_tensor_into_its_first_key_the_state_has(
-        chunky: tuple[Any, bytes, dict[str, tuple[int, int]]], tmp_path: Path) -> None:
+        chunky: tuple[Any, bytes, dict[str, tuple[int, int]]], tmp_path: Path, gathering: bool) -> None:
     """Without model.emb in the state, model.head's own target is where the tensor streams: it
-    holds the unverified bytes."""
+    holds the unverified bytes (gathered: its old contents, as the tensor's other targets)."""
     state, data, ranges = chunky
     flipped = bytearray(data)
     flipped[ranges["model.emb"][0] + 5000] ^= 4
@@ -329,4 +350,4 @@ def test_failed_load_into_streams_a_tied_tensor_into_its_first_key_the_state_has
     del targets["model"]["emb"]
     with pytest.warns(ckptstream.StateMismatchWarning), pytest.raises(CorruptCheckpointError):
         ckptstream.load_into(targets, case, strict=False, **CHUNKY)
-    assert_failed_load_left(targets, flipped, ranges, STREAMED | {"model.head"})
+    assert_failed_load_left(targets, flipped, ranges, STREAMED_GATHERED if gathering else STREAMED | {"model.head"})

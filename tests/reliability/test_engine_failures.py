@@ -144,7 +144,7 @@ def test_device_to_file_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 READERS: dict[str, Callable[[Path, Any], Any]] = {
-    "load": lambda path, state: ckptstream.load(path, **SMALL),
+    "load": lambda path, state: ckptstream.load(path, mmap=False, **SMALL),  # mapped: no I/O thread
     "verify": lambda path, state: ckptstream.verify(path),
     "load_into": lambda path, state: ckptstream.load_into(state, path, **SMALL),
     "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0, **SMALL),
@@ -241,7 +241,7 @@ def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.Monke
     other = path.parent / "other.safetensors"
     ckptstream.save(state, other)
     with fail_in_io_thread(monkeypatch, READ_CALLS, after, deliver), reaches_caller(KeyboardInterrupt):
-        ckptstream.load(other, **SMALL)
+        ckptstream.load(other, mmap=False, **SMALL)
     other.unlink()
     assert_released()
     assert fd_count() == fds
@@ -291,7 +291,7 @@ def test_interrupt_while_starting_the_io_threads(monkeypatch: pytest.MonkeyPatch
         if op == "save":
             ckptstream.save(state, path, **SMALL)
         else:
-            ckptstream.load(other, **SMALL)
+            ckptstream.load(other, mmap=False, **SMALL)
     assert_released()
     done = calls[0]
     time.sleep(0.2)
@@ -342,7 +342,7 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
                     ckptstream.save(state, path, **settings)
             else:
                 with fail_in_io_thread(m, READ_CALLS, i % 6, eio), pytest.raises(OSError, match="injected I/O"):
-                    ckptstream.load(other, **settings)
+                    ckptstream.load(other, mmap=False, **settings)
 
     for i in range(20):  # warm up: the pool's buffers, allocator arenas, lazily opened files
         failing_transfer(i)

@@ -76,21 +76,21 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-# ckptstream: the checkpoint layer, defaults as a user gets them (checksums on, verify on)
+# ckptstream: the checkpoint layer, defaults as a user gets them (checksums on, verified on load)
 def _ck_save(state: State, path: str, world: int) -> None:
     ckptstream.save(state, path)
 
 
 def _ck_load(path: str, like: Any, device: str, world: int) -> Any:
-    return ckptstream.load(path, device=device)
+    return ckptstream.load(path, device=device)  # on the CPU: mapped, checksums verified
 
 
 def _ck_load_unverified(path: str, like: Any, device: str, world: int) -> Any:
     return ckptstream.load(path, device=device, checksum=False)  # beside the row above: what verifying costs
 
 
-def _ck_load_mmap(path: str, like: Any, device: str, world: int) -> Any:
-    return ckptstream.load(path, device=device, mmap=True)  # CPU only: tensors backed by the mapped file
+def _ck_load_copied(path: str, like: Any, device: str, world: int) -> Any:
+    return ckptstream.load(path, device=device, mmap=False)  # CPU only: copied into new memory
 
 
 def _ck_load_into(path: str, target: Any, device: str, world: int) -> Any:
@@ -218,7 +218,7 @@ SYSTEMS: dict[str, System] = {
         System("ckptstream", "ckptstream", "safetensors", _ck_save,
                (Variant("ckptstream", _ck_load), Variant("ckptstream load_into", _ck_load_into, in_place=True),
                 Variant("ckptstream checksum=False", _ck_load_unverified),
-                Variant("ckptstream mmap", _ck_load_mmap, devices=("cpu",)))),
+                Variant("ckptstream mmap=False", _ck_load_copied, devices=("cpu",)))),
         System("engine", "ckptstream", "bin", _engine_save, (Variant("engine", _engine_load),)),
         System("torch", "torch", "pt", _torch_save,
                (Variant("torch", _torch_load), Variant("torch mmap", _torch_load_mmap))),

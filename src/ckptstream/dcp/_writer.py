@@ -16,10 +16,12 @@ torch 2.9+ needs to recognise it; torch 2.4-2.8 ask the writer itself to stage).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import threading
 import uuid
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -79,10 +81,13 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self._staged = threading.Event()
         self._staged.set()
         self._captured: tuple[int, Captured] | None = None  # (staging thread, capture) of the last stage()
+        self._planning = _PlanningPause()
+        weakref.finalize(self, self._planning.end)
 
     # --- planning ------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._planning.end()  # a save whose planning failed never got to write_data
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = str(uuid.uuid4())
@@ -93,6 +98,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._planning.start()  # DCP plans next (see _PlanningPause); write_data or finish ends it
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _rankfile.check_items(plan.items)
@@ -120,6 +126,8 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
             results = self._write(plan, planner)
         finally:
             self._staged.set()  # also when it failed: nobody waits for ever
+            if self.use_collectives and not self.is_coordinator:  # finish runs on the coordinator only
+                self._planning.end()
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -159,6 +167,12 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         return after
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._planning.end()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         fields = {f.name for f in dataclasses.fields(metadata)}
         if "version" in fields:  # torch 2.5+
@@ -201,13 +215,44 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         """DCP's process executor pickles the writer: without its event and CUDA ordering point,
         which belong to this process."""
         state = dict(self.__dict__)
-        state["_staged"], state["_captured"] = None, None
+        state["_staged"], state["_captured"], state["_planning"] = None, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._staged = threading.Event()
         self._staged.set()
+        self._planning = _PlanningPause()
+        weakref.finalize(self, self._planning.end)
+
+
+class _PlanningPause:
+    """The process's objects set aside from Python's cyclic collector (``gc.freeze``) while DCP
+    plans a save and exchanges its plans and results: from ``set_up_storage_writer`` to the end
+    of ``write_data`` on every rank but the coordinator, to the end of ``finish`` on it. Planning
+    makes a few objects per chunk on every rank, and with several ranks the coordinator
+    unpickles every rank's plan and then every rank's results (the others the global plan):
+    thousands of objects at once, which start full collections, and a full collection scans
+    every object of the process (a training job's millions). Frozen, those are not scanned,
+    while the save's own objects are collected as usual.
+
+    A save that fails before that end (in planning, or a write on another rank) never reaches
+    it: the writer's next ``reset`` (the next save or load with it) or its end thaws them; until
+    then a cycle among the objects that were frozen is not collected (nothing else is held
+    back). A process that froze objects itself (``gc.get_freeze_count()`` not 0) is left alone."""
+
+    def __init__(self) -> None:
+        self._frozen = False
+
+    def start(self) -> None:
+        if not self._frozen and gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._frozen = True
+
+    def end(self) -> None:
+        if self._frozen:
+            self._frozen = False
+            gc.unfreeze()
 
 
 def _remove_durably(directory: str, names: list[str]) -> None:
