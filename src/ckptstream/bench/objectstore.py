@@ -11,8 +11,9 @@ in the same run:
 - load_into, which fills tensors that exist, beside the same download into a buffer that exists.
 
 Each run takes the pairs in turn, ckptstream first in every other run, so that a drift of the
-store's speed (or a cost the store pays once per new object) falls on both sides alike; a read is
-the first of its object after its write in both members of a pair, or the second in both. The
+store's speed falls on both sides alike. Before the reads of a run, each object written is looked
+at once (a HEAD, not timed): a cost a store pays once per new object on its first read (rclone
+computes the object's MD5 for its ETag then) falls on neither side's clock. The
 process's CPU time of each transfer is kept beside its wall time. Everything is written under a
 new prefix in the one given, and removed afterwards.
 """
@@ -128,6 +129,12 @@ class RawClient:
         with ThreadPoolExecutor(self.threads) as pool:
             list(pool.map(one, range(-(-len(out) // self.part))))
 
+    def settle(self, bucket: str, *keys: str) -> None:
+        """One HEAD of each object: whatever the store does on the first read of a new object is
+        done before the reads are timed."""
+        for key in keys:
+            self.s3.head_object(Bucket=bucket, Key=key)
+
     def remove_prefix(self, bucket: str, prefix: str) -> None:
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         keys = [{"Key": o["Key"]} for page in pages for o in page.get("Contents", ())]
@@ -226,6 +233,7 @@ def run(opts: Options) -> int:
                 _in_turn(first_raw, lambda: t.time(UPLOAD, lambda: raw.upload(bucket, raw_key, data)),
                          lambda: t.time(UPLOAD_LAST, lambda: raw.upload(bucket, last_key, data, first_part_last=True)),
                          ours=lambda: t.time(SAVE, lambda: ckptstream.save(state, url)))
+                raw.settle(bucket, raw_key, last_key, url.removeprefix(f"s3://{bucket}/"))
                 loaded = _in_turn(first_raw, lambda: t.time(DOWNLOAD_NEW, download_new),
                                   ours=lambda: t.time(LOAD, load))
                 assert_same(state, loaded, "load")  # a benchmark of a wrong load is void
