@@ -5,6 +5,7 @@ prefix, a corrupted object caught by its CRC-32C, DCP, and errors surfacing thro
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -66,6 +67,24 @@ def test_open_reads_only_the_bytes_asked_for(s3: Bucket) -> None:
     assert torch.equal(rows, big["b"][100:200])
     asked = sum(int(hi) - int(lo) + 1 for lo, hi in (r.removeprefix("bytes=").split("-") for r in ranges))
     assert asked < 2 * MiB  # the header, c, and 100 floats of b: not the 16 MiB of a and b
+
+
+def test_the_requests_of_a_save_and_a_load(s3: Bucket) -> None:
+    """What docs/object-stores.md says a save and a load cost: a save of B bytes one LIST (the
+    key is not a folder), one listing of the key's uploads, then the upload (ceil((B - E) / S) + 1
+    parts); a load one GET that opens the object and brings its header, then one per chunk."""
+    sent: collections.Counter[str] = collections.Counter()
+    s3client.client().meta.events.register("before-send.s3",
+                                           lambda event_name, **kw: sent.update([event_name.rsplit(".", 1)[1]]))
+    url = s3.url("k.safetensors")
+    with ckptstream.settings(buffer_size=5 * MiB):  # S = E = 5 MiB
+        ckptstream.save({"w": random_tensor((3 * MiB,)), "b": random_tensor(7)}, url)  # B: 12 MiB + 28 + header
+        assert sent == {"ListObjectsV2": 1, "ListMultipartUploads": 1, "CreateMultipartUpload": 1,
+                        "UploadPart": -(-(len(s3.get("k.safetensors")) - 5 * MiB) // (5 * MiB)) + 1,
+                        "CompleteMultipartUpload": 1}
+        sent.clear()
+        ckptstream.load(url)
+        assert sent == {"GetObject": 1 + 3}  # the data: 12 MiB + 28 bytes in chunks of 5 MiB
 
 
 def test_load_into(s3: Bucket, device: torch.device) -> None:
