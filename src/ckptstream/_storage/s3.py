@@ -61,12 +61,12 @@ class S3Source(Source):
         size = int(whole) if whole.isdigit() else length  # no range: the server sent the whole object
         body = response["Body"]
         readinto, done = _reader(body)
-        first, got = bytearray(length), 0
+        # more than asked for: a server that ignores ranges (the reads will say so); take nothing
+        first, got = bytearray(length if length <= FIRST else 0), 0
         try:
-            if length <= FIRST:  # else a server that ignores ranges: reads will say so; take nothing
-                view = memoryview(first)
-                while got < length and (n := readinto(view[got:])):
-                    got += n
+            view = memoryview(first)
+            while got < len(first) and (n := readinto(view[got:])):
+                got += n
         except Exception:
             pass  # a body broken midway: the reads ask again
         finally:
