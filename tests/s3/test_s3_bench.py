@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.s3.s3util import Bucket, s3, s3_server  # noqa: F401
-
 from ckptstream.bench.objectstore import ROWS
+from tests.s3.s3util import Bucket, s3, s3_server  # noqa: F401
 
 
 def test_bench_on_an_object_store(s3: Bucket, tmp_path: Path) -> None:
