@@ -103,8 +103,8 @@ def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(
     bn.running_mean.copy_(random_tensor(ELEMENTS // 2, device="cuda"))
     bn.running_var.copy_(random_tensor(ELEMENTS // 2, device="cuda").abs())
     x = random_tensor((2, ELEMENTS // 2), device="cuda")
-    state = {"bn": bn.state_dict()}
-    expected = {f"bn.{k}": v for k, v in cpu_copies(bn.state_dict()).items()}
+    state = {f"bn.{k}": v for k, v in bn.state_dict().items()}
+    expected = cpu_copies(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
