@@ -1,5 +1,7 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
+from typing import TYPE_CHECKING
+
 from ._async import AsyncMode, CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
 from ._engine import release_staging, staging_bytes
 from ._errors import (
@@ -33,14 +35,33 @@ from ._manager import (
 )
 from ._reader import CheckpointReader, TensorEntry, TensorSlice
 from ._save import save
-from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
+from ._settings import DirectIO, Settings, settings
 from ._transfer import device_to_file, file_to_device
 
 __version__ = "0.1.0"
 
+# 0.1.0's public helpers of the per-call keywords, which ``settings=`` replaced
+_DEPRECATED = {
+    "INHERIT": "ckptstream.INHERIT is deprecated with the per-call buffer_size=... keywords: leave settings= "
+               "out (None) to use the settings in force",
+    "current_settings": "ckptstream.current_settings() is deprecated: `with ckptstream.settings() as s:` gives "
+                        "the settings in force, and settings=ckptstream.Settings(...) a complete value for one call",
+}
+
+if not TYPE_CHECKING:  # type checkers see them gone
+
+    def __getattr__(name: str) -> object:
+        if name in _DEPRECATED:
+            import warnings
+
+            from . import _settings
+
+            warnings.warn(_DEPRECATED[name], DeprecationWarning, stacklevel=2)
+            return getattr(_settings, name)
+        raise AttributeError(f"module 'ckptstream' has no attribute {name!r}")
+
 __all__ = [
     "AsyncMode",
-    "INHERIT",
     "AccessDeniedError",
     "BucketNotFoundError",
     "CheckpointManager",
@@ -70,7 +91,6 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedStorageError",
     "UnsupportedTypeError",
-    "current_settings",
     "device_to_file",
     "export_hf",
     "file_to_device",

@@ -12,8 +12,9 @@ import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Iterator
-from typing import Any, Final
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, TypedDict
 
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
@@ -41,7 +42,7 @@ class DirectIO(str, enum.Enum):
 
 
 class _Inherit:
-    """The default of every per-call option: take the value from the settings in force."""
+    """0.1.0's default of the per-call options (deprecated with them): the value in force."""
 
     _instance: _Inherit | None = None
 
@@ -150,12 +151,61 @@ def settings(**overrides: Any) -> Iterator[Settings]:
         _current.reset(token)
 
 
-def call_settings(*, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
-            direct_io: Any = INHERIT) -> Settings:
-    """Settings for one call: those in force, with the call's arguments that are not INHERIT
-    (None too, as 0.1.0 spelled "inherit")."""
-    given = {name: value for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers),
-                                             ("io_threads", io_threads), ("direct_io", direct_io))
-             if value is not INHERIT and value is not None}
+class LegacyKeywords(TypedDict, total=False):
+    """The per-call keywords that ``settings=`` replaces (accepted, with a DeprecationWarning)."""
+
+    buffer_size: int | None
+    num_buffers: int | None
+    io_threads: int | None
+    direct_io: DirectIO | str | bool | None
+
+
+LEGACY_KEYWORDS: Final = ("buffer_size", "num_buffers", "io_threads", "direct_io")
+
+
+def _reject_unknown(where: str, given: Mapping[str, object]) -> None:
+    unknown = [name for name in given if name not in LEGACY_KEYWORDS]
+    if unknown:  # what Python says for a keyword the signature lacks
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def check_settings(settings: object, where: str) -> Settings | None:
+    """``settings`` when it is a Settings or None, else a TypeError naming the call."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise TypeError(f"{where}(settings=...) takes a ckptstream.Settings (or None: the settings in force), "
+                        f"got {type(settings).__name__}; build one with ckptstream.Settings(buffer_size=..., ...)")
+    return settings
+
+
+def legacy_overrides(where: str, legacy: Mapping[str, object], settings: object = None, *,
+                     stacklevel: int = 3) -> dict[str, object]:
+    """The deprecated per-call keywords of ``where`` that were given, with a DeprecationWarning
+    that names the new way (``settings=`` or the ``with ckptstream.settings(...)`` scope);
+    None (as 0.1.0 spelled "inherit") and ``INHERIT`` values are dropped. Raises TypeError for
+    an unknown keyword, or for the keywords together with ``settings=``."""
+    _reject_unknown(where, legacy)
+    if not legacy:
+        return {}
+    names = ", ".join(f"{name}=..." for name in legacy)
+    if settings is not None:
+        raise TypeError(f"{where}() takes settings= or the deprecated {names}, not both: put them in the Settings")
+    warnings.warn(f"{where}({names}) is deprecated: pass settings=ckptstream.Settings({names}) (a complete "
+                  "value), or change the settings in force with `with ckptstream.settings(...)`",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return {name: value for name, value in legacy.items() if value is not None and value is not INHERIT}
+
+
+def overlay(overrides: Mapping[str, object]) -> Settings:
+    """The settings in force with ``overrides`` (the deprecated per-call keywords) applied."""
     base = current_settings()
-    return dataclasses.replace(base, **given) if given else base
+    return dataclasses.replace(base, **overrides) if overrides else base  # type: ignore[arg-type]
+
+
+def per_call(where: str, settings: object, legacy: Mapping[str, object]) -> Settings:
+    """The settings of one call of the public ``where``: ``settings`` as given (a complete value),
+    else the settings in force with the deprecated keywords applied (see ``legacy_overrides``)."""
+    given = check_settings(settings, where)
+    overrides = legacy_overrides(where, legacy, given, stacklevel=4)
+    if given is not None:
+        return given
+    return overlay(overrides)

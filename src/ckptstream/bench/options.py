@@ -185,7 +185,8 @@ def _staging(args: argparse.Namespace) -> dict[str, int]:
              "io_threads": args.io_threads}
     staging = {name: value for name, value in given.items() if value}
     try:
-        dataclasses.replace(ckptstream.current_settings(), **staging)
+        with ckptstream.settings(**staging):  # checked as the run will apply them
+            pass
     except (TypeError, ValueError) as e:
         raise BenchError(f"--buffer-mib / --num-buffers / --io-threads: {e}") from e
     return staging

@@ -102,7 +102,8 @@ def render_sweep(result: dict[str, Any], ceiling: dict[str, Any], device: str, c
     rows = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
                   "hot GB/s", "/hot"], lines)
     best = [f"best {k}: {staging_summary(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
-    defaults = ckptstream.current_settings()
+    with ckptstream.settings() as defaults:
+        pass
     best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, "
                 f"{defaults.io_threads} I/O threads")
     return "\n".join(head + rows + [""] + best)
