@@ -104,8 +104,7 @@ def mutate(state: dict[str, Any]) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_the_file_is_what_save_writes(mode: str, tmp_path: Path) -> None:
     state = training_state(1 << 16)
-    handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"},
-                                   buffer_size=8192, num_buffers=3)
+    handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"}, settings=ckptstream.Settings(buffer_size=8192, num_buffers=3))
     assert handle.path == str(tmp_path / "async.safetensors")
     assert handle.mode == mode
     assert handle.step is None

@@ -90,9 +90,11 @@ def test_checksum_argument_does_not_warn(tmp_path: Path) -> None:
 
 
 def test_none_per_call_means_inherit(tmp_path: Path) -> None:
+    """0.1.0's per-call keywords (deprecated) with None: the settings in force."""
     src = random_tensor(3000)
     path = tmp_path / "t.bin"
-    with ckptstream.settings(buffer_size=4096, num_buffers=2):
+    with ckptstream.settings(buffer_size=4096, num_buffers=2), \
+            pytest.warns(DeprecationWarning, match=r"buffer_size=\.\.\..* is deprecated: pass settings="):
         assert ckptstream.device_to_file(src, path, buffer_size=None, num_buffers=None, io_threads=None,
                                          direct_io=None) == src.nbytes
         dst = torch.empty_like(src)

@@ -211,7 +211,7 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
 def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = place.path("ckpts")
     storage = storage_for(directory)
-    ckpts = ckptstream.CheckpointManager(directory, keep=2, buffer_size=4096, num_buffers=2)
+    ckpts = ckptstream.CheckpointManager(directory, keep=2, settings=ckptstream.Settings(buffer_size=4096, num_buffers=2))
     ckpts.save(1, state(1), blocking=True)
     real, count = WriteEngine._write, [0]
 
@@ -329,7 +329,7 @@ def test_a_crash_during_a_save_leaves_the_previous_step(point: str, mem: MemStor
     published, or as its DONE marker is: the next process finds step 1 the newest, its lock free
     and the dead save's leftovers (an unfinished upload, a file) removed with step 2's folder."""
     directory = "mem://test/ckpts"
-    ckpts = ckptstream.CheckpointManager(directory, keep=1, buffer_size=4096, num_buffers=2)
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=ckptstream.Settings(buffer_size=4096, num_buffers=2))
     ckpts.save(1, state(1), blocking=True)
     writes, publishes = mem.calls["write"], mem.calls["publish"]
     crashes: dict[str, tuple[Step, int]] = {"streaming": ("write", writes + 3), "rank file": ("publish", publishes + 1),

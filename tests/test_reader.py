@@ -159,7 +159,7 @@ BUFFERS = [4096, 4099, 4100]  # 4099: chunk edges cut elements of every size
 
 
 def open_small(path: str, buffer_size: int) -> ckptstream.CheckpointReader:
-    return ckptstream.open(path, buffer_size=buffer_size, num_buffers=2, io_threads=2, direct_io="off")
+    return ckptstream.open(path, settings=ckptstream.Settings(buffer_size=buffer_size, num_buffers=2, io_threads=2, direct_io="off"))
 
 
 @pytest.mark.parametrize("buffer_size", BUFFERS)
@@ -299,7 +299,7 @@ def test_reading_one_tensor_touches_only_its_bytes(mem: MemStorage) -> None:
     state = {"a": random_tensor(MiB), "b": random_tensor((512, 1024)), "c": random_tensor(MiB)}  # 4 MiB each
     path, file_reads = "mem://test/big.safetensors", mem.reads
     ckptstream.save(state, path)
-    with ckptstream.open(path, buffer_size=256 << 10, num_buffers=2) as reader:
+    with ckptstream.open(path, settings=ckptstream.Settings(buffer_size=256 << 10, num_buffers=2)) as reader:
         e = reader.entry("b")
         file_reads.clear()
         assert_bytes_equal(reader.read("b"), state["b"])

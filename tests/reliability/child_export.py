@@ -62,7 +62,7 @@ def main() -> int:
     what, src, out, arg = sys.argv[1:5]
     if what == "kill":
         kill_at(arg)
-        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", buffer_size=8192, num_buffers=2)
+        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", settings=ckptstream.Settings(buffer_size=8192, num_buffers=2))
         print("finished", flush=True)
         return 0
     from child_memory import Peak

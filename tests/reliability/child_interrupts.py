@@ -27,7 +27,7 @@ import ckptstream
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio
 
-SMALL: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
+SMALL = ckptstream.Settings(buffer_size=64 << 10, num_buffers=3, io_threads=3)
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -106,7 +106,7 @@ def main() -> int:
     fileio.pread_into = slowed(fileio.pread_into)
     state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
     path = os.path.join(directory, "ckpt.safetensors")
-    ckptstream.save(state, path, **SMALL)
+    ckptstream.save(state, path, settings=SMALL)
     baseline = file_fds()
     counts: Counts = {"interrupted": 0, "completed": 0, "failures": []}
     for r in range(rounds):
@@ -117,9 +117,9 @@ def main() -> int:
         try:
             thread.start()  # a signal may land before start() returns: it is caught below too
             if op == "save":
-                ckptstream.save(state, path, **SMALL)
+                ckptstream.save(state, path, settings=SMALL)
             else:
-                ckptstream.load(path, **SMALL)
+                ckptstream.load(path, settings=SMALL)
             signal.signal(signal.SIGINT, count_late)
         except KeyboardInterrupt:
             # before anything else (no pending signal can run its handler before this call

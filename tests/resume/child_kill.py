@@ -32,7 +32,7 @@ def stall(point: str) -> None:
 
 
 def main(directory: str, point: str) -> None:
-    ckpts = ckptstream.CheckpointManager(directory, keep=1, buffer_size=64 << 10, num_buffers=2, io_threads=1)
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=ckptstream.Settings(buffer_size=64 << 10, num_buffers=2, io_threads=1))
     ckpts.save(1, state(1), blocking=True)
     print("ready", flush=True)
     if point == "streaming":
