@@ -118,7 +118,9 @@ class SaveHandle:
         return self.path
 
     def wait(self, timeout: float | None = None) -> str:
-        """The same as ``result``."""
+        """Deprecated: ``result()`` (the same, the name of ``concurrent.futures``)."""
+        warnings.warn("SaveHandle.wait() is deprecated: use result(), which is the same", DeprecationWarning,
+                      stacklevel=2)
         return self.result(timeout)
 
     @property
@@ -404,8 +406,8 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
             ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
 
     Returns:
-        A SaveHandle: ``wait_staged()``, ``result()`` / ``wait()`` (durable, or the worker's
-        exception), ``done()``.
+        A SaveHandle: ``wait_staged()``, ``result()`` (durable, or the worker's exception),
+        ``done()``.
 
     Raises:
         UnsupportedTypeError, TypeError, ValueError: bad input, before anything starts.

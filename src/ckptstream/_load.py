@@ -34,7 +34,7 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
         A CheckpointReader: ``keys()`` (every tensor's key path, e.g. "optim.state.0.exp_avg"),
         ``entry(key)`` (dtype, shape, nbytes, checksum, file range), ``leaves`` (non-tensor
         values such as the step), ``metadata``, ``read(key, device=...)``,
-        ``read_into(key, tensor)``, ``read_slice(key, offsets, lengths)``, ``get_slice(key)[...]``.
+        ``read_into(key, tensor)``, ``get_slice(key)[...]`` (a box), ``read_slices(...)``.
 
     Raises:
         CorruptCheckpointError: the header or structure is malformed (named).
