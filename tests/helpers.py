@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstream import _checksum, _header
+from ckptstream import Settings, _checksum, _header
 from ckptstream._engine import Piece, copyable
 from ckptstream._engine.buffers import POOL
 
@@ -375,3 +375,11 @@ def assert_same_state(actual: Any, expected: Any, where: str = "state", device: 
             assert_same_state(a, e, f"{where}.{i}", device)
     else:
         assert actual == expected, where
+
+
+def buffers(buffer_size: int | None, num_buffers: int | None = None) -> Settings:
+    """The settings of a test parametrised over staging buffers: the defaults but for these
+    (None: the default)."""
+    default = Settings()
+    return Settings(buffer_size=buffer_size or default.buffer_size,
+                               num_buffers=num_buffers or default.num_buffers)

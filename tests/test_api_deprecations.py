@@ -18,7 +18,7 @@ from helpers import assert_bytes_equal, random_tensor
 from test_settings import CALLS, TENSOR, _io_calls, engines_made  # noqa: F401  (a fixture)
 
 NEW_WAY = r"is deprecated: pass settings=ckptstream\.Settings\("
-LEGACY = {"buffer_size": 12288, "num_buffers": 3, "io_threads": 2, "direct_io": "off"}
+LEGACY: Any = {"buffer_size": 12288, "num_buffers": 3, "io_threads": 2, "direct_io": "off"}
 
 
 @pytest.fixture
@@ -43,10 +43,12 @@ def test_every_io_function_still_takes_the_four_keywords(tmp_path: Path, engines
     assert set(engines_made) == {Settings(12288, 3, 2, DirectIO.OFF)}
     assert_bytes_equal(got(), TENSOR)
     with ckptstream.settings(buffer_size=8192, num_buffers=5, io_threads=3, direct_io="auto"):
-        for keywords, expected in [({"num_buffers": 4}, Settings(8192, 4, 3, DirectIO.AUTO)),
-                                   ({"buffer_size": None, "io_threads": None, "direct_io": None},
-                                    Settings(8192, 5, 3, DirectIO.AUTO)),
-                                   ({"buffer_size": _settings.INHERIT}, Settings(8192, 5, 3, DirectIO.AUTO))]:
+        cases: list[tuple[dict[str, Any], Settings]] = [
+            ({"num_buffers": 4}, Settings(8192, 4, 3, DirectIO.AUTO)),
+            ({"buffer_size": None, "io_threads": None, "direct_io": None}, Settings(8192, 5, 3, DirectIO.AUTO)),
+            ({"buffer_size": _settings.INHERIT}, Settings(8192, 5, 3, DirectIO.AUTO)),
+        ]
+        for keywords, expected in cases:
             engines_made.clear()
             with pytest.warns(DeprecationWarning, match=NEW_WAY):
                 got = run(**keywords)
@@ -54,7 +56,7 @@ def test_every_io_function_still_takes_the_four_keywords(tmp_path: Path, engines
             assert_bytes_equal(got(), TENSOR)
     with pytest.warns(DeprecationWarning, match=NEW_WAY), pytest.raises(ValueError, match="num_buffers"):
         run(num_buffers=0)
-    with pytest.raises(TypeError, match="settings= or the deprecated buffer_size=..., not both"):
+    with pytest.raises(TypeError, match=r"settings= or the deprecated buffer_size=\.\.\., not both"):
         run(settings=Settings(), buffer_size=8192)
 
 
@@ -80,8 +82,8 @@ def test_dcp_writer_and_reader_still_take_the_four_keywords(tmp_path: Path) -> N
         assert kind(tmp_path, settings=chosen).cfg is chosen
         with ckptstream.settings(io_threads=5) as in_force:
             assert kind(tmp_path).cfg == in_force
-        with pytest.raises(TypeError, match="takes a ckptstream.Settings"):
-            kind(tmp_path, settings=4096)
+        with pytest.raises(TypeError, match=r"takes a ckptstream\.Settings"):
+            kind(tmp_path, settings=4096)  # type: ignore[arg-type]
 
 
 def test_manager_keywords_apply_to_each_save_over_the_settings_then_in_force(
@@ -122,7 +124,7 @@ def test_inherit_and_current_settings_left_the_public_api() -> None:
 
 
 def test_save_handle_wait_is_result(tmp_path: Path) -> None:
-    state = {"w": random_tensor((33, 7)), "step": 5}
+    state: dict[str, Any] = {"w": random_tensor((33, 7)), "step": 5}
     handle = ckptstream.save_async(state, tmp_path / "c.safetensors")
     with pytest.warns(DeprecationWarning, match=r"SaveHandle\.wait\(\) is deprecated: use result\(\)"):
         assert handle.wait() == str(tmp_path / "c.safetensors")
@@ -151,7 +153,8 @@ def test_read_slice_is_get_slice(tmp_path: Path) -> None:
 
 
 def test_manager_save_takes_the_state_first_and_recognises_the_old_order(tmp_path: Path) -> None:
-    first, second = {"w": random_tensor(100), "step": 1}, {"w": random_tensor(100), "step": 2}
+    first: dict[str, Any] = {"w": random_tensor(100), "step": 1}
+    second: dict[str, Any] = {"w": random_tensor(100), "step": 2}
     with ckptstream.CheckpointManager(tmp_path, keep=None) as ckpts:
         ckpts.save(first, 1, blocking=True)
         with pytest.warns(DeprecationWarning, match=r"save\(step, state\) is deprecated: pass the state first"):
@@ -163,7 +166,7 @@ def test_manager_save_takes_the_state_first_and_recognises_the_old_order(tmp_pat
             loaded = ckpts.load(step)
             assert_bytes_equal(loaded["w"], state["w"])
             assert loaded["step"] == state["step"]
-        target = {"w": torch.full((100,), float("nan")), "step": 0}
+        target: dict[str, Any] = {"w": torch.full((100,), float("nan")), "step": 0}
         assert ckpts.load_into(target, 2)["step"] == 2
         assert_bytes_equal(target["w"], second["w"])
         with pytest.raises(ValueError, match="step must be an integer"):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _async, _capture, _save
+from ckptstream import Settings, _async, _capture, _save
 from ckptstream._engine.write import WriteEngine
 from helpers import engine_threads, random_tensor
 
@@ -104,7 +104,8 @@ def mutate(state: dict[str, Any]) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_the_file_is_what_save_writes(mode: str, tmp_path: Path) -> None:
     state = training_state(1 << 16)
-    handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"}, settings=ckptstream.Settings(buffer_size=8192, num_buffers=3))
+    handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"},
+                                   settings=Settings(buffer_size=8192, num_buffers=3))
     assert handle.path == str(tmp_path / "async.safetensors")
     assert handle.mode == mode
     assert handle.step is None

@@ -31,6 +31,7 @@ from helpers import (
     FLOAT4,
     Resources,
     assert_bytes_equal,
+    buffers,
     header_of,
     needs_float4,
     random_bytes,
@@ -257,10 +258,10 @@ def test_edge_case_tensors_round_trip(device: torch.device, place: Place, buffer
     state["spans_chunks"] = random_tensor(3001, torch.float32, device)
     state["spans_chunks_transposed"] = random_tensor((70, 53), torch.bfloat16, device).t()
     path = place.path("ckpt.safetensors")
-    ckptstream.save(state, path, settings=ckptstream.Settings(buffer_size=buffer_size, num_buffers=2))
+    ckptstream.save(state, path, settings=buffers(buffer_size, 2))
     ckptstream.verify(path)
     for where in (device, "cpu"):
-        loaded = ckptstream.load(path, device=where, settings=ckptstream.Settings(buffer_size=buffer_size, num_buffers=3))
+        loaded = ckptstream.load(path, device=where, settings=buffers(buffer_size, 3))
         assert list(loaded) == list(state)
         for name, t in loaded.items():
             assert t.is_contiguous(), name
@@ -276,12 +277,13 @@ def test_float4_views_and_background_saves(device: torch.device, tmp_path: Path,
     assert FLOAT4 is not None
     state = {"t": random_tensor((64, 90), FLOAT4, device).t(), "c": random_tensor((5, 3), FLOAT4, device)}
     path = tmp_path / "f4.safetensors"
-    ckptstream.save(state, path, settings=ckptstream.Settings(buffer_size=buffer_size))
+    ckptstream.save(state, path, settings=buffers(buffer_size))
     targets = {"t": torch.empty(64, 90, dtype=FLOAT4, device=device).t(), "c": torch.empty(5, 3, dtype=FLOAT4,
                                                                                            device=device)}
-    ckptstream.load_into(targets, path, settings=ckptstream.Settings(buffer_size=buffer_size))
+    ckptstream.load_into(targets, path, settings=buffers(buffer_size))
     for mode in ("device", "lazy", "host"):
-        ckptstream.save_async(state, tmp_path / f"{mode}.safetensors", mode=mode, settings=ckptstream.Settings(buffer_size=buffer_size)).result()
+        ckptstream.save_async(state, tmp_path / f"{mode}.safetensors", mode=mode,
+                              settings=buffers(buffer_size)).result()
         loaded = ckptstream.load(tmp_path / f"{mode}.safetensors", device=device)
         for name, t in state.items():
             assert_bytes_equal(loaded[name], t)

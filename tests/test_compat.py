@@ -93,28 +93,33 @@ def test_none_per_call_means_inherit(tmp_path: Path) -> None:
     """0.1.0's per-call keywords (deprecated) with None: the settings in force."""
     src = random_tensor(3000)
     path = tmp_path / "t.bin"
-    with ckptstream.settings(buffer_size=4096, num_buffers=2), \
-            pytest.warns(DeprecationWarning, match=r"buffer_size=\.\.\..* is deprecated: pass settings="):
-        assert ckptstream.device_to_file(src, path, buffer_size=None, num_buffers=None, io_threads=None,
-                                         direct_io=None) == src.nbytes
-        dst = torch.empty_like(src)
-        ckptstream.file_to_device(path, dst, buffer_size=None, num_buffers=None)
-        ckptstream.save({"s": src}, tmp_path / "c.safetensors", buffer_size=None, num_buffers=None, direct_io=None)
-        loaded = ckptstream.load(tmp_path / "c.safetensors", buffer_size=None, num_buffers=None)
+    deprecated = pytest.warns(DeprecationWarning, match=r"buffer_size=\.\.\..* is deprecated: pass settings=")
+    dst = torch.empty_like(src)
+    with ckptstream.settings(buffer_size=4096, num_buffers=2):
+        with deprecated:
+            written = ckptstream.device_to_file(src, path, buffer_size=None, num_buffers=None, io_threads=None,
+                                                direct_io=None)
+        assert written == src.nbytes
+        with deprecated:
+            ckptstream.file_to_device(path, dst, buffer_size=None, num_buffers=None)
+        with deprecated:
+            ckptstream.save({"s": src}, tmp_path / "c.safetensors", buffer_size=None, num_buffers=None, direct_io=None)
+        with deprecated:
+            loaded = ckptstream.load(tmp_path / "c.safetensors", buffer_size=None, num_buffers=None)
     assert_bytes_equal(dst, src)
     assert_bytes_equal(loaded["s"], src)
 
 
 def test_settings_with_the_0_1_0_spellings_of_direct_io() -> None:
-    # the annotation names DirectIO only: 0.1.0's spellings are accepted at run time
-    assert ckptstream.Settings(direct_io=None).direct_io is ckptstream.DirectIO.AUTO  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=True).direct_io is ckptstream.DirectIO.ON  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=False).direct_io is ckptstream.DirectIO.OFF  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=None) == ckptstream.Settings()  # type: ignore[arg-type]
+    # 0.1.0's spellings: True / False / None
+    assert ckptstream.Settings(direct_io=None).direct_io is ckptstream.DirectIO.AUTO
+    assert ckptstream.Settings(direct_io=True).direct_io is ckptstream.DirectIO.ON
+    assert ckptstream.Settings(direct_io=False).direct_io is ckptstream.DirectIO.OFF
+    assert ckptstream.Settings(direct_io=None) == ckptstream.Settings()
     with ckptstream.settings(direct_io=None) as s:
         assert s.direct_io is ckptstream.DirectIO.AUTO
     with pytest.raises(ValueError, match="multiple of 4096"):
-        ckptstream.Settings(buffer_size=5000, direct_io=True)  # type: ignore[arg-type]
+        ckptstream.Settings(buffer_size=5000, direct_io=True)
 
 
 # --- the file format, byte for byte -------------------------------------------------------------

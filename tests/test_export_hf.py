@@ -179,8 +179,8 @@ def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path
 
 def test_a_manager_directory_exports_its_newest_complete_step(tmp_path: Path, gpt2: Any) -> None:
     with ckptstream.CheckpointManager(tmp_path / "ckpts", keep=None) as manager:
-        manager.save(1, {"model": {"w": torch.randn(4)}})
-        manager.save(2, trained_state(gpt2))
+        manager.save({"model": {"w": torch.randn(4)}}, 1)
+        manager.save(trained_state(gpt2), 2)
     (tmp_path / "ckpts" / "step-000000000003").mkdir()  # an unfinished save: no DONE
     result = ckptstream.export_hf(tmp_path / "ckpts", tmp_path / "hf", prefix="model.")
     assert "step 2" in result.source

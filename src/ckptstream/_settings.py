@@ -58,9 +58,12 @@ class _Inherit:
 INHERIT: Final = _Inherit()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Settings:
-    """Defaults for every transfer; per-call arguments override them.
+    """The settings of a transfer: those in force (the defaults, the ``CKPTSTREAM_*``
+    environment, ``with ckptstream.settings(...)``), or a value built here and given to one
+    call as ``settings=`` (complete: the fields it leaves out take these defaults). Frozen, and
+    checked when built.
 
     Attributes:
         buffer_size: bytes per staging buffer (pinned on a GPU machine).
@@ -68,27 +71,37 @@ class Settings:
         io_threads: threads doing file I/O (and checksums) per transfer.
         direct_io: "auto" uses O_DIRECT for writes where the file system and alignment allow
             (reads keep the page cache), "on" forces it (an error where the file system
-            refuses it; buffer_size must be a multiple of 4096), "off" never uses it.
+            refuses it; buffer_size must be a multiple of 4096), "off" never uses it. Given as
+            a ``DirectIO``, its value, or True / False / None (on / off / auto).
         hot_io_threads: I/O threads of a load into host memory (or a verify) whose bytes the
             page cache already holds (such a load is bound by memory copies, not by the disk),
             up to the number of cores; the same staging memory is split among them. Loads into
             a GPU keep io_threads (they are bound by the host-to-device link). Set it to
             io_threads to turn this off.
+
+    Raises:
+        ValueError: a value out of range, naming it.
+
+    Example:
+        >>> big = ckptstream.Settings(buffer_size=64 << 20, num_buffers=4, direct_io="off")
+        >>> ckptstream.save(state, "ckpt.safetensors", settings=big)
     """
 
-    # Defaults from the staging sweep (docs/benchmarks.md).
-    buffer_size: int = 16 * MiB
-    num_buffers: int = 8
-    io_threads: int = 8
-    direct_io: DirectIO = DirectIO.AUTO
-    hot_io_threads: int = 16
+    buffer_size: int
+    num_buffers: int
+    io_threads: int
+    direct_io: DirectIO
+    hot_io_threads: int
 
-    def __post_init__(self) -> None:
-        for name in ("buffer_size", "num_buffers", "io_threads", "hot_io_threads"):
-            value = getattr(self, name)
+    # Defaults from the staging sweep (docs/benchmarks.md).
+    def __init__(self, buffer_size: int = 16 * MiB, num_buffers: int = 8, io_threads: int = 8,
+                 direct_io: DirectIO | str | bool | None = DirectIO.AUTO, hot_io_threads: int = 16) -> None:
+        for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers), ("io_threads", io_threads),
+                            ("hot_io_threads", hot_io_threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        object.__setattr__(self, "direct_io", DirectIO.parse(self.direct_io))
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "direct_io", DirectIO.parse(direct_io))
         if self.direct_io is DirectIO.ON and self.buffer_size % ALIGN:
             # checked here, before a transfer opens (and maybe truncates) its file
             raise ValueError(f"direct_io='on' needs buffer_size to be a multiple of {ALIGN}, got {self.buffer_size}")

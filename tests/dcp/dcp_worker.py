@@ -27,6 +27,7 @@ from dcp_helpers import EXTRA, SEED, global_tensors, has_hf_reader, plain_value,
 
 import ckptstream
 import ckptstream.dcp
+from ckptstream import Settings
 from ckptstream._storage import fileio
 
 try:
@@ -192,7 +193,8 @@ def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
         live = {**state, "model": {k: v.clone() for k, v in state["model"].items()},
                 "ints": state["ints"].clone(), "tiny": state["tiny"].clone(), "plain": state["plain"].clone(),
                 "scalar": state["scalar"].clone(), "extra": dict(state["extra"])}
-        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", mode=mode, settings=ckptstream.Settings(buffer_size=4096, num_buffers=2))
+        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", mode=mode,
+                                             settings=Settings(buffer_size=4096, num_buffers=2))
         future = dcp.async_save(live, storage_writer=writer)
         assert isinstance(future, Future), future  # the writer stages at once: no AsyncSaveResponse
         if mode == "lazy":
@@ -312,7 +314,8 @@ def scenario_kill(ctx: Ctx) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         fileio.pwrite_all = pwrite_then_die
-    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "bad", settings=ckptstream.Settings(buffer_size=1 << 16, num_buffers=2, io_threads=1))
+    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "bad", settings=Settings(buffer_size=1 << 16, num_buffers=2,
+                                                                                io_threads=1))
     try:
         dcp.save(state, storage_writer=writer)
     except Exception as e:  # rank 0: its peer is gone

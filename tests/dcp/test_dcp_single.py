@@ -136,7 +136,7 @@ def test_read_slices_verifies_whole_tensors(tmp_path: Path) -> None:
         f.seek(entry.end - 4)
         f.write(b"\x00\x00\xc0\x7f")
     with ckptstream.open(path) as reader:
-        assert same_bits(reader.read_slice("w", [0, 0], [63, 32]), w[:63])
+        assert same_bits(reader.read_slices([("w", [0, 0], [63, 32], "cpu")])[0], w[:63])
         with pytest.raises(ckptstream.CorruptCheckpointError, match=r"tensor 'w' fails its CRC-32C check"):
             reader.read_slices([("w", [0, 0], None, "cpu"), ("v", [0], None, "cpu")])
         assert not same_bits(reader.read_slices([("w", [0], None, "cpu")], checksum=False)[0], w)

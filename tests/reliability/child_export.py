@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import ckptstream
-from ckptstream import _export_copy
+from ckptstream import Settings, _export_copy
 from ckptstream._storage import files
 
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}
@@ -62,7 +62,8 @@ def main() -> int:
     what, src, out, arg = sys.argv[1:5]
     if what == "kill":
         kill_at(arg)
-        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", settings=ckptstream.Settings(buffer_size=8192, num_buffers=2))
+        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", settings=Settings(buffer_size=8192,
+                                                                                                 num_buffers=2))
         print("finished", flush=True)
         return 0
     from child_memory import Peak

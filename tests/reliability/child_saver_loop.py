@@ -18,6 +18,7 @@ from typing import Any
 from relutil import MiB, training_state
 
 import ckptstream
+from ckptstream import Settings
 
 
 def tell(line: str) -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     for v in range(first, last + 1):
         version[0] = v
         expect("go")
-        ckptstream.save(training_state(v, size_mib * MiB), path, settings=ckptstream.Settings(buffer_size=1 * MiB, num_buffers=2))
+        ckptstream.save(training_state(v, size_mib * MiB), path, settings=Settings(buffer_size=1 * MiB, num_buffers=2))
         tell(f"saved {v}")
 
 

@@ -9,7 +9,6 @@ after 100 failing transfers the descriptors, threads and RSS are what they were 
 
 from __future__ import annotations
 
-import dataclasses
 import _thread
 import contextlib
 import errno
@@ -35,6 +34,7 @@ from relutil import (
 )
 
 import ckptstream
+from ckptstream import DirectIO
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine import read as read_engine
 from ckptstream._engine.engine import Engine
@@ -43,6 +43,11 @@ from ckptstream._storage import fileio
 READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0
 SMALL = ckptstream.Settings(buffer_size=64 * KiB, num_buffers=2)  # ~32 chunks per MiB: failures land mid-stream
+
+
+def small(direct_io: DirectIO | str | bool | None) -> ckptstream.Settings:
+    """``SMALL`` with ``direct_io``."""
+    return ckptstream.Settings(buffer_size=64 * KiB, num_buffers=2, direct_io=direct_io)
 
 
 def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
@@ -127,7 +132,7 @@ def test_write_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, old_checkpoin
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
-        ckptstream.save(state, path, settings=dataclasses.replace(SMALL, direct_io=direct_io))
+        ckptstream.save(state, path, settings=small(direct_io))
     assert_released()
     assert fd_count() == fds
 
@@ -148,7 +153,8 @@ READERS: dict[str, Callable[[Path, Any], Any]] = {
     "load": lambda path, state: ckptstream.load(path, mmap=False, settings=SMALL),  # mapped: no I/O thread
     "verify": lambda path, state: ckptstream.verify(path),
     "load_into": lambda path, state: ckptstream.load_into(state, path, settings=SMALL),
-    "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0, settings=SMALL),
+    "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0,
+                                                                    settings=SMALL),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import _layout, _manager
+from ckptstream import Settings, _layout, _manager
 from ckptstream._engine.write import WriteEngine
 
 
@@ -32,8 +32,9 @@ def stall(point: str) -> None:
 
 
 def main(directory: str, point: str) -> None:
-    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=ckptstream.Settings(buffer_size=64 << 10, num_buffers=2, io_threads=1))
-    ckpts.save(1, state(1), blocking=True)
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=Settings(buffer_size=64 << 10, num_buffers=2,
+                                                                              io_threads=1))
+    ckpts.save(state(1), 1, blocking=True)
     print("ready", flush=True)
     if point == "streaming":
         real, count = WriteEngine._write, [0]
@@ -49,7 +50,7 @@ def main(directory: str, point: str) -> None:
         _layout.write_done = lambda *args: stall(point)
     elif point == "pruning":
         _manager.CheckpointManager._prune = lambda self, newest: stall(point)  # type: ignore[method-assign]
-    ckpts.save(2, state(2))
+    ckpts.save(state(2), 2)
     time.sleep(600)
 
 

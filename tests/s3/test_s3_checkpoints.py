@@ -128,7 +128,7 @@ def test_a_checkpoint_manager_on_s3(s3: Bucket) -> None:
     states = {step: {"w": random_tensor((1000, 33)), "step": step} for step in (1, 2, 3)}
     with ckptstream.CheckpointManager(directory, keep=2) as ckpts:
         for step, state in states.items():
-            ckpts.save(step, state, blocking=True)
+            ckpts.save(state, step, blocking=True)
         assert ckpts.steps() == [2, 3]
         assert sorted(s3.keys()) == [f"run/ckpts/step-00000000000{s}/{n}" for s in (2, 3)
                                      for n in ("DONE", "state.safetensors")]
