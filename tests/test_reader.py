@@ -249,15 +249,16 @@ def test_read_slices_and_get_slice(device: torch.device, saved: Any, buffer_size
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [
-    (lambda r: r.read_slices([("model.w", [41], [1], "cpu")])[0], IndexError, r"model\.w: dimension 0 of size 40"),
-    (lambda r: r.read_slices([("model.w", [0, 30], [1, 4], "cpu")])[0], IndexError, r"model\.w: dimension 1 of size 33"),
-    (lambda r: r.read_slices([("model.w", [-1], [1], "cpu")])[0], IndexError, r"model\.w"),
-    (lambda r: r.read_slices([("model.b", [0, 0], [1, 1], "cpu")])[0], IndexError, r"model\.b: a slice of a tensor of shape \[33\]"),
+    (lambda r: r.read_slices([("model.w", [41], [1], "cpu")]), IndexError, r"model\.w: dimension 0 of size 40"),
+    (lambda r: r.read_slices([("model.w", [0, 30], [1, 4], "cpu")]), IndexError, r"model\.w: dimension 1 of size 33"),
+    (lambda r: r.read_slices([("model.w", [-1], [1], "cpu")]), IndexError, r"model\.w"),
+    (lambda r: r.read_slices([("model.b", [0, 0], [1, 1], "cpu")]), IndexError,
+     r"model\.b: a slice of a tensor of shape \[33\]"),
     (lambda r: r.get_slice("model.w")[40], IndexError, r"model\.w: index 40 is out of range"),
     (lambda r: r.get_slice("model.w")[::2], IndexError, r"model\.w: only slices of step 1"),
     (lambda r: r.get_slice("model.b")[1, 2], IndexError, r"model\.b: 2 indices for a tensor of 1 dimensions"),
     (lambda r: r.get_slice("model.w")["x"], TypeError, r"model\.w: index with ints and slices"),
-    (lambda r: r.read_slices([("views.grid", [0, 21], [1, 1], "cpu")])[0], IndexError, r"views\.grid"),
+    (lambda r: r.read_slices([("views.grid", [0, 21], [1, 1], "cpu")]), IndexError, r"views\.grid"),
 ], ids=["row_past_end", "columns_past_end", "negative", "too_many_dims", "index", "step", "too_many_indices",
         "not_an_index", "view"])  # fmt: skip
 def test_bad_boxes_name_the_key(saved: Any, call: Any, error: type[Exception], message: str) -> None:
