@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
-from ckptstream import _header
+from ckptstream import Settings, _header
 from ckptstream._engine.layout import flat_bytes
 from ckptstream._header import DTYPE_NAMES
 from ckptstream._storage import fileio, publish
@@ -566,7 +566,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
     with monkeypatch.context() as m:  # how many writes a save of this state makes
         calls = count_calls(m, "pwrite_all")
-        ckptstream.save(state, tmp_path / "probe.safetensors", **options)
+        ckptstream.save(state, tmp_path / "probe.safetensors", settings=Settings(**options))
         writes = next(calls)
     (tmp_path / "probe.safetensors").unlink()
     assert writes >= 6
@@ -580,7 +580,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
         k = {"header": 0, "first_chunk": 1, "middle_chunk": writes // 2, "checksum_header": writes - 1}[where]
         fail_on_call(monkeypatch, fileio, "pwrite_all", k, error)
     with pytest.raises(type(error)) as e:
-        ckptstream.save(state, path, **options)
+        ckptstream.save(state, path, settings=Settings(**options))
     if e.value is not error:  # an OS error may come back naming the file, from the one injected
         assert isinstance(error, OSError)
         assert isinstance(e.value, OSError)
@@ -592,7 +592,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
     resources.assert_released()
     monkeypatch.undo()
     ckptstream.verify(path)
-    ckptstream.save(state, path, **options)  # and the next save works
+    ckptstream.save(state, path, settings=Settings(**options))  # and the next save works
     assert_same(ckptstream.load(path), state)
 
 

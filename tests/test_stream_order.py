@@ -58,7 +58,7 @@ def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
 
         simulated_gpu.producer(kernel)  # queued kernels produce the values
     path = tmp_path / "s.safetensors"
-    ckptstream.save(state, path, **SMALL)
+    ckptstream.save(state, path, settings=Settings(**SMALL))
     written = _file_state(path)
     for k, v in final.items():
         assert torch.equal(written[k], v.contiguous()), k
@@ -66,7 +66,7 @@ def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
 
 def test_device_to_file_writes_after_the_copies(simulated_gpu: SimDevices, tmp_path: Path) -> None:
     src = torch.randn(10_000).reshape(100, 100).t()
-    ckptstream.device_to_file(src, tmp_path / "t.bin", **SMALL)
+    ckptstream.device_to_file(src, tmp_path / "t.bin", settings=Settings(**SMALL))
     assert (tmp_path / "t.bin").read_bytes() == src.contiguous().numpy().tobytes()
 
 

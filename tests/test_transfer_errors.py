@@ -120,11 +120,11 @@ def _transfer(direction: str, src: torch.Tensor, path: Path, **kw: Any) -> None:
     ``read`` into a contiguous one, ``read_staged`` into its transpose (through the staging
     buffers)."""
     if direction == "write":
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
     elif direction == "read":
-        ckptstream.file_to_device(path, poisoned_like(src), **kw)
+        ckptstream.file_to_device(path, poisoned_like(src), settings=Settings(**kw))
     else:
-        ckptstream.file_to_device(path, poisoned_like(src.reshape(-1)).view(64, -1).t(), **kw)
+        ckptstream.file_to_device(path, poisoned_like(src.reshape(-1)).view(64, -1).t(), settings=Settings(**kw))
 
 
 def _eio(path: str) -> OSError:
@@ -201,12 +201,12 @@ def test_pool_reuses_buffers(device: torch.device, tmp_path: Path, monkeypatch: 
     kw: dict[str, Any] = {"buffer_size": 3001, "num_buffers": 3}  # a size no other test uses
 
     def round_trip() -> None:
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
         dst = poisoned_like(src)
-        ckptstream.file_to_device(path, dst, **kw)
+        ckptstream.file_to_device(path, dst, settings=Settings(**kw))
         assert_bytes_equal(dst, src)
         staged = poisoned_like(src).view(500, 100).t()  # a read through the staging buffers
-        ckptstream.file_to_device(path, staged, **kw)
+        ckptstream.file_to_device(path, staged, settings=Settings(**kw))
         assert_bytes_equal(staged, src.view(100, 500))
 
     round_trip()
@@ -218,7 +218,7 @@ def test_pool_reuses_buffers(device: torch.device, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(fileio, "pwrite_all", fail_on_call(2, fileio.pwrite_all, _eio))
     with pytest.raises(OSError, match="injected"):
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
     assert POOL.idle_bytes() == idle
     assert POOL.in_use == 0
 

@@ -438,16 +438,16 @@ def scenario_memory(ctx: Ctx) -> None:
     # a first save and load of 4 MiB per rank: what is built on first use (the staging pool,
     # the GPU checksum kernel) is not the state's cost
     warm = {"w": DTensor.from_local(torch.randn(1024, 1024, device=ctx.device), ctx.mesh, [Shard(0)])}
-    dcp.save(warm, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "warm", **options))
-    dcp.load(warm, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "warm", **options))
+    dcp.save(warm, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "warm", settings=Settings(**options)))
+    dcp.load(warm, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "warm", settings=Settings(**options)))
     synchronize(ctx)
     base = rss()
     with PeakRss() as saving:
-        dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "big", **options))
+        dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "big", settings=Settings(**options)))
     loaded = {k: DTensor.from_local(poisoned_like(v.to_local()), ctx.mesh, [Shard(0)]) for k, v in state.items()}
     base_load = rss()
     with PeakRss() as loading:
-        dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "big", **options))
+        dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "big", settings=Settings(**options)))
         synchronize(ctx)
     for key in state:
         assert torch.equal(loaded[key].to_local(), state[key].to_local()), key

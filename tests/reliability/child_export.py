@@ -71,7 +71,7 @@ def main() -> int:
     with ckptstream.open(src) as reader:
         largest = max(e.nbytes for e in reader.entries())
     with Peak() as peak:
-        ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, **SETTINGS)
+        ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, settings=Settings(**SETTINGS))
         staging = ckptstream.staging_bytes()
     print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "largest": largest}))
     return 0

@@ -19,6 +19,7 @@ from relutil import (
 )
 
 import ckptstream
+from ckptstream import Settings
 
 SAVES = 12
 SIZE_MIB = 4
@@ -56,14 +57,16 @@ def test_two_threads_save_different_states_at_once(tmp_path: Path) -> None:
     pa, pb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     small: dict[str, Any] = {"buffer_size": 256 * 1024, "num_buffers": 2}  # many chunks: the two saves interleave
     for _ in range(3):
-        run_threads([lambda: ckptstream.save(a, pa, **small), lambda: ckptstream.save(b, pb, **small)])
+        run_threads([lambda: ckptstream.save(a, pa, settings=Settings(**small)), lambda: ckptstream.save(b, pb,
+                                                                                                         settings=Settings(**small))])
         for path, state in ((pa, a), (pb, b)):
             ckptstream.verify(path)
             assert_same_state(ckptstream.load(path), state)
     # and loads running beside saves
     pc = tmp_path / "c.safetensors"
     loaded: dict[str, Any] = {}
-    run_threads([lambda: ckptstream.save(a, pc, **small), lambda: loaded.update(b=ckptstream.load(pb, **small)),
+    run_threads([lambda: ckptstream.save(a, pc, settings=Settings(**small)),
+                 lambda: loaded.update(b=ckptstream.load(pb, settings=Settings(**small))),
                  lambda: ckptstream.verify(pa)])  # fmt: skip
     assert_same_state(loaded["b"], b)
     assert_same_state(ckptstream.load(pc), a)

@@ -34,7 +34,7 @@ from relutil import (
 )
 
 import ckptstream
-from ckptstream import DirectIO
+from ckptstream import DirectIO, Settings
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine import read as read_engine
 from ckptstream._engine.engine import Engine
@@ -42,12 +42,12 @@ from ckptstream._storage import fileio
 
 READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0
-SMALL = ckptstream.Settings(buffer_size=64 * KiB, num_buffers=2)  # ~32 chunks per MiB: failures land mid-stream
+SMALL = Settings(buffer_size=64 * KiB, num_buffers=2)  # ~32 chunks per MiB: failures land mid-stream
 
 
 def small(direct_io: DirectIO | str | bool | None) -> ckptstream.Settings:
     """``SMALL`` with ``direct_io``."""
-    return ckptstream.Settings(buffer_size=64 * KiB, num_buffers=2, direct_io=direct_io)
+    return Settings(buffer_size=64 * KiB, num_buffers=2, direct_io=direct_io)
 
 
 def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
@@ -335,21 +335,21 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
         with monkeypatch.context() as m:
             if kind == 0:
                 with fail_in_io_thread(m, "pwrite_all", i % 7, eio), pytest.raises(OSError, match="injected I/O"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 1:
                 with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError, match="no space"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 2:
                 raise_after(m, WriteEngine, "_move", i % 9, KeyboardInterrupt)
                 with pytest.raises(KeyboardInterrupt):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 3:
                 raise_after(m, WriteEngine, "_move", i % 4, lambda: RuntimeError("injected copy failure"))
                 with pytest.raises(RuntimeError, match="injected copy failure"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             else:
                 with fail_in_io_thread(m, READ_CALLS, i % 6, eio), pytest.raises(OSError, match="injected I/O"):
-                    ckptstream.load(other, mmap=False, **settings)
+                    ckptstream.load(other, mmap=False, settings=Settings(**settings))
 
     for i in range(20):  # warm up: the pool's buffers, allocator arenas, lazily opened files
         failing_transfer(i)
