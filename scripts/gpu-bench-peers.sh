@@ -25,7 +25,7 @@ LOADS_END=${LOADS_END:-385}  # ... and the loads, in "all" (the stall benchmark 
 LOADS_SYSTEMS=(ckptstream fastsafetensors instanttensor runai-streamer tensorizer safetensors)
 # ckptstream's default load only (load_into and checksum=False are in the earlier tables): minutes saved
 LOADS_VARIANTS=(ckptstream fastsafetensors instanttensor "instanttensor buffered" runai-streamer tensorizer safetensors)
-TRAINING_SYSTEMS=(device nvrx.async_save dcp.async_save+pinned)
+TRAINING_SYSTEMS=(device host manager.device nvrx.async_save dcp.async_save+pinned)
 TRAINING_STEPS=${TRAINING_STEPS:-200}  # about 12 s of this loop's 58 ms steps: past DCP's pinned write (9 s)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

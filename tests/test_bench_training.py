@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import ckptstream
 from ckptstream import cli
 from ckptstream.bench import checkpointers, options, training
 from test_bench import run_until
@@ -229,3 +230,24 @@ def test_the_parts_add_up_over_several_checkpoints() -> None:
     assert row["slowed_s"] == pytest.approx(1.5)  # the median of the slowed steps alone would be 1.9
     assert row["ended_inside"] is False  # one write outlasted its loop
     assert row["durable_s"] is None
+
+
+def test_the_manager_row_writes_a_complete_step(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(1000, 37, generator=gen), "b": torch.randn(4099, generator=gen)}
+    path = str(tmp_path / "ckpt-0")
+    with checkpointers.session("manager.device", torch.device("cpu")) as begin:
+        job = begin(state, path)
+        if job.gate is not None:
+            job.gate()
+        expected = {k: v.clone() for k, v in state.items()}
+        for v in state.values():
+            v.add_(1.0)  # the update after the gate: not in the checkpoint
+        job.finish()
+    assert job.durable_at() is not None
+    with ckptstream.CheckpointManager(path) as manager:
+        assert manager.steps() == [1]
+        loaded = manager.load(1)
+    assert set(loaded) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(loaded[k], v)

@@ -38,8 +38,12 @@ class Counts(TypedDict):
     failures: list[str]
 
 
+transferring = threading.Event()  # set by the first chunk of a round's transfer
+
+
 def slowed(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        transferring.set()
         time.sleep(0.001)  # each chunk takes a millisecond: the interrupts land mid-transfer
         return fn(*args, **kwargs)
     return wrapper
@@ -59,8 +63,11 @@ def file_fds() -> dict[int, str]:
 
 def signaller(count: int, rng: random.Random, window: float) -> threading.Thread:
     """A thread (not started: its start belongs inside the block that catches the interrupts)
-    that sends ``count`` SIGINTs to this process."""
+    that sends ``count`` SIGINTs to this process, the first at a random moment of the
+    ``window`` seconds after the transfer's first chunk (however busy the machine, the
+    transfer has begun: most interrupts land inside it, some in its set-up or end)."""
     def run() -> None:
+        transferring.wait(timeout=10)
         time.sleep(rng.uniform(0, window))
         for i in range(count):
             if i:
@@ -112,14 +119,15 @@ def main() -> int:
     for r in range(rounds):
         op = "save" if r % 2 == 0 else "load"
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's own, while ckptstream runs
-        thread = signaller(rng.choice((2, 3)), rng, window=0.03)
+        transferring.clear()
+        thread = signaller(rng.choice((2, 3)), rng, window=0.006)
         seen = None
         try:
             thread.start()  # a signal may land before start() returns: it is caught below too
             if op == "save":
                 ckptstream.save(state, path, settings=SMALL)
             else:
-                ckptstream.load(path, settings=SMALL)
+                ckptstream.load(path, mmap=False, settings=SMALL)  # the read engine (a mapped load has no threads)
             signal.signal(signal.SIGINT, count_late)
         except KeyboardInterrupt:
             # before anything else (no pending signal can run its handler before this call

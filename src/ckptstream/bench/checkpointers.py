@@ -2,7 +2,8 @@
 checkpoint of the live training state, what the loop must wait for before its next update,
 and when the file is durable.
 
-ckptstream's ``save`` and ``save_async`` modes; ``torch.save`` in a thread after a CPU copy;
+ckptstream's ``save`` and ``save_async`` modes, and a ``CheckpointManager`` step in device mode
+(a step folder, its rank's file and its ``DONE``); ``torch.save`` in a thread after a CPU copy;
 DCP ``async_save`` with its default stager, or with ``DefaultStager(StagingOptions(True, True,
 True, True))`` (pinned shared memory, staging in the background: torchtitan's
 "async_with_pinned_mem"); and, from the ``bench-peers`` extra, nvidia-resiliency-ext's
@@ -24,7 +25,8 @@ import torch
 
 import ckptstream
 
-SYSTEMS = ("sync", "device", "lazy", "host", "torch.save+thread", "dcp.async_save", "dcp.async_save+pinned")
+SYSTEMS = ("sync", "device", "lazy", "host", "manager.device", "torch.save+thread", "dcp.async_save",
+           "dcp.async_save+pinned")
 PEER_SYSTEMS = ("nvrx.async_save",)  # needs its package (the bench-peers extra) and CUDA: run when named
 ALL_SYSTEMS = SYSTEMS + PEER_SYSTEMS
 OURS = ("device", "lazy", "host")
@@ -119,6 +121,28 @@ def _dcp(state: State, path: str, pinned: bool) -> Job:
     return Job(upload.done, lambda: ended[0] if recorded.wait() else None, gate, upload.result)
 
 
+def _handle_job(h: ckptstream.SaveHandle, began: float, finish: Callable[[], Any]) -> Job:
+    def durable_at() -> float | None:
+        return None if h.seconds_to_durable is None else began + h.seconds_to_durable
+
+    return Job(h.done, durable_at, h.wait_staged, finish)
+
+
+def _manager_step(state: State, path: str) -> Job:
+    """Step 1 of a manager whose folder is ``path``; durable once its DONE is."""
+    began = time.perf_counter()
+    manager = ckptstream.CheckpointManager(path, keep=1, mode="device")
+    h = manager.save(state, 1)
+
+    def finish() -> None:
+        try:
+            h.result()
+        finally:
+            manager.close()
+
+    return _handle_job(h, began, finish)
+
+
 def start(system: str, state: State, path: str) -> Job:
     """Start checkpoint ``system`` of ``state`` at ``path`` (a file, or a folder for DCP); the
     systems of SYSTEMS, which need no setup (see ``session`` for all)."""
@@ -129,11 +153,9 @@ def start(system: str, state: State, path: str) -> Job:
     if system in OURS:
         began = time.perf_counter()
         h = ckptstream.save_async(state, path, mode=system)
-
-        def durable_at() -> float | None:
-            return None if h.seconds_to_durable is None else began + h.seconds_to_durable
-
-        return Job(h.done, durable_at, h.wait_staged, h.result)
+        return _handle_job(h, began, h.result)
+    if system == "manager.device":
+        return _manager_step(state, path)
     if system == "torch.save+thread":
         return _torch_save(state, path)
     if system.startswith("dcp.async_save"):

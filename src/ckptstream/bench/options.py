@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "the loop is blocked, its slowdown while a save is in flight, extra GPU memory, "
                                "peak RSS, time until durable")
     training.add_argument("--training-systems", nargs="+", metavar="NAME",
-                          help="of sync, device, lazy, host, torch.save+thread, dcp.async_save, "
+                          help="of sync, device, lazy, host, manager.device, torch.save+thread, dcp.async_save, "
                                "dcp.async_save+pinned (the default: these), nvrx.async_save "
                                "(nvidia-resiliency-ext, when named)")
     training.add_argument("--training-steps", type=_positive, metavar="N",
