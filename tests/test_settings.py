@@ -42,7 +42,7 @@ def test_settings_scoping() -> None:
         with pytest.raises(ZeroDivisionError), ckptstream.settings(buffer_size=99):
             _ = 1 // (_settings.current_settings().buffer_size - 99)
         assert _settings.current_settings() == outer
-        with pytest.raises(TypeError), ckptstream.settings(buffer_size=1, nope=2):
+        with pytest.raises(TypeError), ckptstream.settings(buffer_size=1, nope=2):  # type: ignore[call-arg]
             pass
         assert _settings.current_settings() == outer
         seen: list[int] = []
@@ -70,7 +70,7 @@ def test_bad_settings() -> None:
         pass
     with pytest.raises(ValueError, match="direct_io"), ckptstream.settings(direct_io="yes"):
         pass
-    with pytest.raises(TypeError, match="buffer_sise"), ckptstream.settings(buffer_sise=1 << 20):
+    with pytest.raises(TypeError, match="buffer_sise"), ckptstream.settings(buffer_sise=1 << 20):  # type: ignore[call-arg]
         pass
 
 
@@ -251,7 +251,8 @@ CHOSEN = Settings(buffer_size=12288, num_buffers=3, io_threads=2, direct_io=Dire
 def test_every_io_function_takes_a_settings_value(tmp_path: Path, engines_made: list[Settings], call: str) -> None:
     """``settings=`` is the whole of the call's settings; without it, those in force."""
     run = _io_calls(tmp_path)[call]
-    for scope in ({}, {"buffer_size": 8192, "num_buffers": 5, "io_threads": 3, "direct_io": "auto"}):
+    scopes: list[dict[str, Any]] = [{}, {"buffer_size": 8192, "num_buffers": 5, "io_threads": 3, "direct_io": "auto"}]
+    for scope in scopes:
         with ckptstream.settings(**scope) as in_force:
             engines_made.clear()
             got = run()

@@ -14,7 +14,10 @@ import functools
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
@@ -144,8 +147,18 @@ def current_settings() -> Settings:
     return _current.get() or _from_environment()
 
 
+class SettingsFields(TypedDict, total=False):
+    """The fields of Settings, as ``ckptstream.settings(...)`` takes them."""
+
+    buffer_size: int
+    num_buffers: int
+    io_threads: int
+    direct_io: DirectIO | str | bool | None
+    hot_io_threads: int
+
+
 @contextlib.contextmanager
-def settings(**overrides: Any) -> Iterator[Settings]:
+def settings(**overrides: Unpack[SettingsFields]) -> Iterator[Settings]:
     """Override the defaults inside a ``with`` block (this thread / context only).
 
     Example:
@@ -156,7 +169,8 @@ def settings(**overrides: Any) -> Iterator[Settings]:
     unknown = set(overrides) - set(known)
     if unknown:
         raise TypeError(f"unknown setting(s) {sorted(unknown)}; known: {known}")
-    token = _current.set(dataclasses.replace(current_settings(), **overrides))
+    given: dict[str, Any] = dict(overrides)  # checked by Settings
+    token = _current.set(dataclasses.replace(current_settings(), **given))
     try:
         yield current_settings()
     finally:
