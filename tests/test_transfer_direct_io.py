@@ -37,9 +37,10 @@ def test_direct_io_setting_decides_o_direct(tmp_path: Path, monkeypatch: pytest.
 
     def round_trip(buffer_size: int) -> list[bool]:
         opened.clear()
-        ckptstream.device_to_file(src, path, settings=ckptstream.Settings(buffer_size=buffer_size))
-        dst = poisoned_like(src)
-        ckptstream.file_to_device(path, dst, settings=ckptstream.Settings(buffer_size=buffer_size))
+        with ckptstream.settings(buffer_size=buffer_size):  # and the direct_io of the scope around
+            ckptstream.device_to_file(src, path)
+            dst = poisoned_like(src)
+            ckptstream.file_to_device(path, dst)
         assert_bytes_equal(dst, src)
         return list(opened)
 

@@ -43,11 +43,11 @@ def test_bad_buffer_arguments(tmp_path: Path, name: str, value: Any) -> None:
     path.write_bytes(b"keep me")
     t = random_bytes(10)
     with pytest.raises(ValueError, match=name):
-        ckptstream.device_to_file(t, path, **{name: value})
+        ckptstream.device_to_file(t, path, settings=ckptstream.Settings(**{name: value}))
     with pytest.raises(ValueError, match=name):
-        ckptstream.file_to_device(path, t, **{name: value})
+        ckptstream.file_to_device(path, t, settings=ckptstream.Settings(**{name: value}))
     with pytest.raises(ValueError, match=name), ckptstream.settings(**{name: value}):
-        pass
+        ckptstream.device_to_file(t, path)
     assert path.read_bytes() == b"keep me"
 
 
