@@ -23,8 +23,8 @@ import torch
 import ckptstream
 from ckptstream import DirectIO
 from ckptstream._storage import fileio, register
-from helpers import CUDA, READ_CALLS, direct_io_supported
-from memstore import MemStorage, Place
+from tests.helpers import CUDA, READ_CALLS, direct_io_supported
+from tests.memstore import MemStorage, Place
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -95,11 +95,11 @@ def jitter(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_save_left_behind() -> Iterator[None]:
     """Every test ends with no background save in flight and no error left for the next test
     (the modules of background saves use it for every test)."""
-    from ckptstream import _async
+    from ckptstream._checkpoint import save_async
 
     yield
-    for handle in _async.in_flight():
+    for handle in save_async.in_flight():
         handle._done.wait(30)
-    leftover = list(_async._uncollected)
-    _async._uncollected.clear()
+    leftover = list(save_async._uncollected)
+    save_async._uncollected.clear()
     assert leftover == [], f"a test left failed saves nobody collected: {leftover}"

@@ -1,8 +1,9 @@
 """Test helpers: random data, poisoned destinations, byte-exact comparison, the table of
 edge-case tensors, file and header probes, failure injection and leak checks.
 
-Test modules import them directly (``from helpers import EDGE_CASES, poison, ...``); pytest puts
-this directory on ``sys.path``. Fixtures and hooks live in conftest.py.
+Test modules import them from the ``tests`` package (``from tests.helpers import EDGE_CASES,
+poison, ...``); child processes find it through ``child_env``. Fixtures and hooks live in
+conftest.py.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstream import Settings, _checksum, _header
+import ckptstream
+from ckptstream import _checksum
 from ckptstream._engine import Piece, copyable
 from ckptstream._engine.buffers import POOL
+from ckptstream._format import header as _header
 
 CUDA = torch.cuda.is_available()
 POISON_BYTE = 0xAB  # never produced by random_bytes, so an unwritten byte always shows
@@ -377,9 +380,26 @@ def assert_same_state(actual: Any, expected: Any, where: str = "state", device: 
         assert actual == expected, where
 
 
-def buffers(buffer_size: int | None, num_buffers: int | None = None) -> Settings:
+# --- child processes ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]  # of the repository: the ``tests`` package is found from it
+SRC = Path(ckptstream.__file__).resolve().parents[1]  # of the package under test
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's child process: this one, with the package under test and the
+    ``tests`` package first on the path, and one OpenMP thread unless set (small models: threads
+    only contend on a small CI machine); ``extra`` last."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def buffers(buffer_size: int | None, num_buffers: int | None = None) -> ckptstream.Settings:
     """The settings of a test parametrised over staging buffers: the defaults but for these
     (None: the default)."""
-    default = Settings()
-    return Settings(buffer_size=buffer_size or default.buffer_size,
+    default = ckptstream.Settings()
+    return ckptstream.Settings(buffer_size=buffer_size or default.buffer_size,
                                num_buffers=num_buffers or default.num_buffers)

@@ -16,7 +16,8 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from ckptstream import SaveHandle, _async
+from ckptstream import SaveHandle
+from ckptstream._checkpoint import save_async
 
 # Lightning's own warnings under this torch and on a machine without a GPU or logger; the
 # suite turns warnings into errors.
@@ -141,7 +142,7 @@ class Holds:
 @contextmanager
 def held_saves(monkeypatch: pytest.MonkeyPatch, *, released_by_wait: bool = True) -> Iterator[Holds]:
     holds = Holds()
-    write = _async.write_checkpoint  # type: ignore[attr-defined]
+    write = save_async.write_checkpoint  # type: ignore[attr-defined]
 
     def held_write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         holds.event(path).wait()
@@ -152,7 +153,7 @@ def held_saves(monkeypatch: pytest.MonkeyPatch, *, released_by_wait: bool = True
         with holds._lock:
             holds.log.append(("published", os.path.basename(path)))
 
-    monkeypatch.setattr(_async, "write_checkpoint", held_write)  # the worker's call of the writer
+    monkeypatch.setattr(save_async, "write_checkpoint", held_write)  # the worker's call of the writer
     if released_by_wait:
         result, wait_staged = SaveHandle.result, SaveHandle.wait_staged
 

@@ -14,8 +14,8 @@ import torch
 
 import ckptstream
 from ckptstream import DirectIO, Settings, _settings
-from helpers import assert_bytes_equal, random_tensor
-from test_settings import CALLS, TENSOR, _io_calls, engines_made  # noqa: F401  (a fixture)
+from tests.helpers import assert_bytes_equal, random_tensor
+from tests.test_settings import CALLS, TENSOR, _io_calls, engines_made  # noqa: F401  (a fixture)
 
 NEW_WAY = r"is deprecated: pass settings=ckptstream\.Settings\("
 LEGACY: Any = {"buffer_size": 12288, "num_buffers": 3, "io_threads": 2, "direct_io": "off"}

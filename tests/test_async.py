@@ -9,7 +9,6 @@ import gc
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -22,12 +21,11 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import Settings, _async, _capture, _save
+from ckptstream import Settings
+from ckptstream._checkpoint import capture, save, save_async
 from ckptstream._engine.write import WriteEngine
-from helpers import engine_threads, random_tensor
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import detached, differences, run_child, start_child
+from tests.helpers import engine_threads, random_tensor
+from tests.resume.trainutil import detached, differences, run_child, start_child
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 MODES = ["device", "lazy", "host"]
@@ -51,13 +49,13 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Background saves start writing only once the returned event is set."""
     opened = threading.Event()
-    real = _save.write_checkpoint
+    real = save.write_checkpoint
 
     def gated(*args: Any, **kwargs: Any) -> None:
         assert opened.wait(30), "the test never opened the gate"
         real(*args, **kwargs)
 
-    monkeypatch.setattr(_async, "write_checkpoint", gated)
+    monkeypatch.setattr(save_async, "write_checkpoint", gated)
     yield opened
     opened.set()
 
@@ -146,9 +144,9 @@ def test_lazy_mode_captures_cpu_tensors_of_up_to_1_mib_at_the_call(tmp_path: Pat
     after the call, before wait_staged() (the save is held back from writing meanwhile), are saved
     with their values at the call; a CPU tensor one element over 1 MiB streams from the live
     tensor, as documented (changed before wait_staged(), its new values are saved)."""
-    over = _capture.BY_VALUE_BYTES // 4 + 1
+    over = capture.BY_VALUE_BYTES // 4 + 1
     state = {"half_mib": random_tensor(128 << 10), "rng": torch.get_rng_state(),
-             "one_mib": random_tensor(_capture.BY_VALUE_BYTES // 4), "over": random_tensor(over)}
+             "one_mib": random_tensor(capture.BY_VALUE_BYTES // 4), "over": random_tensor(over)}
     expected = detached(state)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="lazy")
     assert handle.mode == "lazy"
@@ -203,7 +201,7 @@ def test_an_uncollected_error_is_raised_by_the_next_save_async(tmp_path: Path,
     assert isinstance(e.value.__cause__, OSError)
     assert "b.safetensors was not started" in str(e.value)
     assert not (tmp_path / "b.safetensors").exists()
-    assert _async.in_flight() == []
+    assert save_async.in_flight() == []
     ckptstream.save_async({"x": torch.ones(3)}, tmp_path / "b.safetensors").result()  # raised once only
 
 
@@ -232,7 +230,7 @@ def test_max_in_flight_lets_saves_overlap(tmp_path: Path, gate: threading.Event)
     handles = [ckptstream.save_async({"t": torch.full((3,), float(i))}, tmp_path / f"{i}.safetensors",
                                      max_in_flight=3) for i in range(3)]
     assert not any(h.done() for h in handles)
-    assert len(_async.in_flight()) == 3
+    assert len(save_async.in_flight()) == 3
     gate.set()
     for i, h in enumerate(handles):
         assert torch.equal(ckptstream.load(h.result())["t"], torch.full((3,), float(i)))
@@ -265,14 +263,14 @@ def test_bad_input_raises_before_anything_starts(bad: str, tmp_path: Path) -> No
         kwargs = {"max_in_flight": 0}
     with pytest.raises(expected):
         ckptstream.save_async(state, path, **kwargs)
-    assert _async.in_flight() == []
+    assert save_async.in_flight() == []
     assert engine_threads() == []
     assert list(tmp_path.iterdir()) == []
 
 
 def test_device_mode_short_of_memory_streams_the_live_state_before_returning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_writes: None) -> None:
-    monkeypatch.setattr(_capture, "_device_snapshot", lambda tensors: None)  # as when the GPU is full
+    monkeypatch.setattr(capture, "_device_snapshot", lambda tensors: None)  # as when the GPU is full
     state = training_state()
     expected = detached(state)
     with pytest.warns(ckptstream.SnapshotFallbackWarning, match="too little free GPU memory") as record:
@@ -287,7 +285,7 @@ def test_device_mode_short_of_memory_streams_the_live_state_before_returning(
         warnings.simplefilter("error", ckptstream.SnapshotFallbackWarning)  # to refuse the stall
         with pytest.raises(ckptstream.SnapshotFallbackWarning):
             ckptstream.save_async(state, tmp_path / "refused.safetensors")
-    assert _async.in_flight() == []
+    assert save_async.in_flight() == []
     assert not (tmp_path / "refused.safetensors").exists()
 
 
@@ -308,7 +306,7 @@ class HeldSave:
 @pytest.fixture
 def first_save_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldSave]:
     held, calls = HeldSave(), [0]
-    real_write, real_wait = _save.write_checkpoint, _async._publish_after_earlier
+    real_write, real_wait = save.write_checkpoint, save_async._publish_after_earlier
 
     def write(*args: Any, **kwargs: Any) -> None:
         calls[0] += 1
@@ -318,13 +316,13 @@ def first_save_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldSave]:
                 raise held.error
         real_write(*args, **kwargs)
 
-    def publish_after_earlier(handle: _async.SaveHandle) -> None:
+    def publish_after_earlier(handle: save_async.SaveHandle) -> None:
         if handle._earlier is not None:
             held.waiting.set()
         real_wait(handle)
 
-    monkeypatch.setattr(_async, "write_checkpoint", write)
-    monkeypatch.setattr(_async, "_publish_after_earlier", publish_after_earlier)
+    monkeypatch.setattr(save_async, "write_checkpoint", write)
+    monkeypatch.setattr(save_async, "_publish_after_earlier", publish_after_earlier)
     yield held
     held.release.set()
 
@@ -545,14 +543,14 @@ def test_the_copy_is_freed_once_the_save_ends(mode: str, fails: bool, tmp_path: 
     """A device snapshot is GPU memory the training wants back: no reference outlives the save
     (not even until the next garbage collection)."""
     kept: list[weakref.ref[torch.Tensor]] = []
-    real = _capture.capture
+    real = capture.capture
 
-    def watched(tensors: list[torch.Tensor], mode: str) -> _capture.Captured:
+    def watched(tensors: list[torch.Tensor], mode: str) -> capture.Captured:
         captured = real(tensors, mode)
         kept.extend(weakref.ref(t) for t in captured.tensors if all(t is not s for s in tensors))
         return captured
 
-    monkeypatch.setattr(_async, "capture", watched)
+    monkeypatch.setattr(save_async, "capture", watched)
     if fails:
         fail_writes(monkeypatch)
     state = training_state(1 << 16)

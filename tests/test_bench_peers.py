@@ -25,8 +25,8 @@ import torch
 from ckptstream import cli
 from ckptstream.bench import machine, options, report, systems, text, training
 from ckptstream.bench.state import StateSpec, build_state, flat_tensors
-from helpers import assert_bytes_equal, random_tensor
-from test_bench import _fabricated_raw
+from tests.helpers import assert_bytes_equal, random_tensor
+from tests.test_bench import _fabricated_raw
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
 

@@ -19,7 +19,7 @@ import torch
 import ckptstream
 from ckptstream import cli
 from ckptstream.bench import checkpointers, options, training
-from test_bench import run_until
+from tests.test_bench import run_until
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
 STEP, SLOWER, GATE, CALL, WAIT = 0.010, 0.002, 0.003, 0.005, 0.100  # seconds on the simulated clock

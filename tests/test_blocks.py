@@ -12,10 +12,12 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import Settings, _blocks, _header
-from helpers import DTYPES, assert_bytes_equal, header_of, random_tensor
+from ckptstream import Settings
+from ckptstream._checkpoint import blocks
+from ckptstream._format import header
+from tests.helpers import DTYPES, assert_bytes_equal, header_of, random_tensor
 
-_SAVABLE = [d for d in DTYPES if d in _header.DTYPE_NAMES]
+_SAVABLE = [d for d in DTYPES if d in header.DTYPE_NAMES]
 
 # small tensors of every dtype and odd sizes, then large ones (own allocations), then small again
 _SHAPES = [(1,), (3,), (7, 5), (13,), (4097,), (2, 3, 5), (), (257,)]
@@ -28,7 +30,7 @@ def _mixed_state(device: torch.device | str, large: int = 2) -> dict[str, torch.
         dtype = _SAVABLE[i % len(_SAVABLE)]
         state[f"small.{i}"] = random_tensor(_SHAPES[i % len(_SHAPES)], dtype, device)
     for i in range(large):
-        state[f"large.{i}"] = random_tensor((_blocks.shared_below_on(torch.device(device)) // 4 + 3,), torch.float32,
+        state[f"large.{i}"] = random_tensor((blocks.shared_below_on(torch.device(device)) // 4 + 3,), torch.float32,
                                             device)
     for i in range(20):
         state[f"tail.{i}"] = random_tensor((i + 1,), torch.bfloat16 if i % 2 else torch.int64, device)
@@ -53,7 +55,7 @@ def test_small_tensors_share_allocations_and_large_ones_own_theirs(device: torch
     torch.manual_seed(5)
     state = {f"s{i:03d}": random_tensor((i % 7 + 1,), torch.int64 if i % 2 else torch.float32, device)
              for i in range(300)}
-    state["large"] = random_tensor((_blocks.shared_below_on(device) // 4 + 1,), torch.float32, device)
+    state["large"] = random_tensor((blocks.shared_below_on(device) // 4 + 1,), torch.float32, device)
     path = tmp_path / "c.safetensors"
     ckptstream.save(state, path)
     start, table = header_of(path)
@@ -67,7 +69,7 @@ def test_small_tensors_share_allocations_and_large_ones_own_theirs(device: torch
     if device.type == "cpu":  # host tensors own a storage over their bytes, as torch.load's do
         assert all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes for t in loaded.values())
     reader = ckptstream.open(path)
-    assert len(_blocks.arrange(reader.header.tensors, start, device).pieces) == 3
+    assert len(blocks.arrange(reader.header.tensors, start, device).pieces) == 3
     reader.close()
 
 
@@ -143,6 +145,6 @@ def test_host_tensors_of_a_few_mib_share_allocations(tmp_path: Path) -> None:
     for key, t in state.items():
         assert_bytes_equal(loaded[key], t)
     reader = ckptstream.open(path)
-    assert len(_blocks.arrange(reader.header.tensors, start, torch.device("cpu")).pieces) == 1
-    assert len(_blocks.arrange(reader.header.tensors, start, torch.device("meta")).pieces) == 4  # a device: alone
+    assert len(blocks.arrange(reader.header.tensors, start, torch.device("cpu")).pieces) == 1
+    assert len(blocks.arrange(reader.header.tensors, start, torch.device("meta")).pieces) == 4  # a device: alone
     reader.close()

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
-from ckptstream import Settings, _header
-from ckptstream._engine.layout import flat_bytes
-from ckptstream._header import DTYPE_NAMES
+from ckptstream import Settings
+from ckptstream._engine.tensor_bytes import flat_bytes
+from ckptstream._format import header as _header
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import fileio, publish
-from helpers import (
+from tests.helpers import (
     EDGE_CASES,
     FLOAT4,
     Resources,
@@ -37,7 +38,7 @@ from helpers import (
     random_bytes,
     random_tensor,
 )
-from memstore import Place
+from tests.memstore import Place
 
 KiB = 1 << 10
 STORABLE_EDGE_CASES = [c for c in EDGE_CASES if c.dtype in DTYPE_NAMES]

@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _layout, cli
+from ckptstream import cli
+from ckptstream._manager import directory as _directory
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -32,10 +34,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     status = cli.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err
-
-
-def child_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE / "reliability")]), OMP_NUM_THREADS="1")
 
 
 # --- a CheckpointManager directory ---------------------------------------------------------------
@@ -54,12 +52,12 @@ def manager_dir(tmp_path: Path) -> Path:
     with ckptstream.CheckpointManager(directory, keep=5) as manager:
         for step in (1, 2):
             manager.save(step_state(step), step).result()
-    folder = Path(_layout.step_dir(str(directory), 3))
+    folder = Path(_directory.step_dir(str(directory), 3))
     folder.mkdir()
     for rank in range(2):
-        ckptstream.save(step_state(30 + rank), folder / _layout.file_name(rank, 2))
-    _layout.write_done(str(directory), 3, 2)
-    leftover = Path(_layout.step_dir(str(directory), 4))
+        ckptstream.save(step_state(30 + rank), folder / _directory.file_name(rank, 2))
+    _directory.write_done(str(directory), 3, 2)
+    leftover = Path(_directory.step_dir(str(directory), 4))
     leftover.mkdir()
     ckptstream.save(step_state(4), leftover / "state.safetensors")
     return directory
@@ -68,7 +66,7 @@ def manager_dir(tmp_path: Path) -> Path:
 def test_verify_a_manager_directory_checks_every_step(manager_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = run_cli(capsys, "verify", str(manager_dir))
     assert (status, err) == (0, "")
-    folders = {s: _layout.step_dir(str(manager_dir), s) for s in (1, 2, 3, 4)}
+    folders = {s: _directory.step_dir(str(manager_dir), s) for s in (1, 2, 3, 4)}
     assert out.splitlines() == [
         f"{folders[1]}: OK (step 1: 1 file, 2 tensors, checksums verified)",
         f"{folders[2]}: OK (step 2: 1 file, 2 tensors, checksums verified)",
@@ -79,7 +77,7 @@ def test_verify_a_manager_directory_checks_every_step(manager_dir: Path, capsys:
 
 
 def test_step_and_folder_arguments(manager_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder3 = _layout.step_dir(str(manager_dir), 3)
+    folder3 = _directory.step_dir(str(manager_dir), 3)
     assert run_cli(capsys, "verify", str(manager_dir), "--step", "3")[:2] == (
         0, f"{folder3}: OK (step 3: 2 files, 4 tensors, checksums verified)\n")
     assert run_cli(capsys, "verify", folder3)[0] == 0
@@ -99,7 +97,7 @@ def test_step_and_folder_arguments(manager_dir: Path, capsys: pytest.CaptureFixt
 
 def test_a_corrupt_rank_file_fails_its_step_and_the_directory(manager_dir: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    rank1 = Path(_layout.step_dir(str(manager_dir), 3)) / _layout.file_name(1, 2)
+    rank1 = Path(_directory.step_dir(str(manager_dir), 3)) / _directory.file_name(1, 2)
     raw = bytearray(rank1.read_bytes())
     raw[-2] ^= 0x08
     rank1.write_bytes(bytes(raw))
@@ -110,7 +108,7 @@ def test_a_corrupt_rank_file_fails_its_step_and_the_directory(manager_dir: Path,
 
 
 def test_a_directory_without_a_complete_step_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = Path(_layout.step_dir(str(tmp_path), 5))
+    folder = Path(_directory.step_dir(str(tmp_path), 5))
     folder.mkdir()
     (folder / "FAILED-rank-00001").write_text("OSError: disk full\n")
     status, out, err = run_cli(capsys, "verify", str(tmp_path))
@@ -130,7 +128,7 @@ def test_a_damaged_or_hostile_done_is_an_incomplete_step_with_its_reason(damage:
     """A DONE marker that is a FIFO (never waited on), too large, nested too deep, naming a file
     outside the folder (even one that exists with that size), or not matching the files: the
     step is incomplete, said with the reason; verify of that step exits 1, the directory 0."""
-    folder = Path(_layout.step_dir(str(manager_dir), 2))
+    folder = Path(_directory.step_dir(str(manager_dir), 2))
     done_path = folder / "DONE"
     good = json.loads(done_path.read_text())
     done_path.unlink()
@@ -179,7 +177,7 @@ def test_inspect_a_manager_directory_and_one_of_its_steps(manager_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = run_cli(capsys, "inspect", str(manager_dir))
     assert (status, err) == (0, "")
-    size1 = os.path.getsize(Path(_layout.step_dir(str(manager_dir), 1)) / "state.safetensors")
+    size1 = os.path.getsize(Path(_directory.step_dir(str(manager_dir), 1)) / "state.safetensors")
     lines = out.splitlines()
     assert lines[0] == f"{manager_dir}: CheckpointManager directory, 4 step folders, 3 complete (latest: step 3)"
     assert lines[1] == f"  step 1  complete: 1 file(s), {size1 / 1024:.1f} KiB"
@@ -188,10 +186,10 @@ def test_inspect_a_manager_directory_and_one_of_its_steps(manager_dir: Path,
     assert lines[5] == f"one step's files: ckptstream inspect {manager_dir} --step 3"
     status, out, _ = run_cli(capsys, "inspect", str(manager_dir), "--step", "3")
     assert status == 0
-    folder = _layout.step_dir(str(manager_dir), 3)
+    folder = _directory.step_dir(str(manager_dir), 3)
     assert out.splitlines()[0] == f"{folder}: CheckpointManager step folder, step 3, complete, 2 rank(s)"
     for rank in range(2):
-        assert f"{folder}/{_layout.file_name(rank, 2)}: ckptstream 1, 2 tensors" in out
+        assert f"{folder}/{_directory.file_name(rank, 2)}: ckptstream 1, 2 tensors" in out
     status, out, _ = run_cli(capsys, "inspect", str(manager_dir), "--json")
     d = json.loads(out)
     assert d["kind"] == "CheckpointManager directory"
@@ -435,7 +433,7 @@ def test_the_benchmark_and_dcp_are_imported_only_where_needed(manager_dir: Path,
             "if m.startswith(('ckptstream.bench', 'ckptstream.dcp', 'torch.distributed.checkpoint'))}))")
     started = time.monotonic()
     seen = {}
-    for name, args in {"file": ["verify", str(Path(_layout.step_dir(str(manager_dir), 1)) / "state.safetensors")],
+    for name, args in {"file": ["verify", str(Path(_directory.step_dir(str(manager_dir), 1)) / "state.safetensors")],
                        "manager": ["inspect", str(manager_dir)], "dcp": ["verify", str(dcp_dir)]}.items():
         proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=child_env(),
                               timeout=120)

@@ -19,7 +19,7 @@ import torch
 
 import ckptstream
 from ckptstream import CorruptCheckpointError, cli
-from helpers import craft_checkpoint
+from tests.helpers import craft_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptstream
-from helpers import as_bytes, assert_bytes_equal, assert_same_state, random_tensor
+from tests.helpers import as_bytes, assert_bytes_equal, assert_same_state, random_tensor
 
 DATA = Path(__file__).resolve().parent / "data"
 

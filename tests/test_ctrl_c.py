@@ -5,16 +5,13 @@ without the internal cancellation that stopped the transfer (shown as its contex
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptstream
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import start_child
+from tests.resume.trainutil import start_child
 
 
 @pytest.mark.parametrize("debug", ["", "1"], ids=["plain", "debug"])

@@ -22,7 +22,7 @@ from ckptstream._engine import Piece, ReadEngine, TransferCancelled, WriteEngine
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio, local
 from ckptstream._storage.files import FileSink, FileSource
-from helpers import (
+from tests.helpers import (
     EDGE_CASES,
     POISON_BYTE,
     as_bytes,

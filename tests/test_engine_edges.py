@@ -16,8 +16,8 @@ import torch
 
 import ckptstream
 from ckptstream import Settings
-from ckptstream._engine import layout
-from helpers import assert_bytes_equal, poison, random_tensor
+from ckptstream._engine import tensor_bytes
+from tests.helpers import assert_bytes_equal, poison, random_tensor
 
 # --- a write of 0 bytes -----------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ def test_non_contiguous_loads_whose_chunks_cut_elements(device: torch.device, dt
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save({"w": w, "v": v}, path)
     cuts: list[tuple[int, int]] = []
-    real = layout.copy_in
+    real = tensor_bytes.copy_in
 
     def spy(src: torch.Tensor, t: torch.Tensor, lo: int, hi: int, carry: torch.Tensor | None) -> None:
         if lo % t.element_size():
@@ -130,7 +130,7 @@ def test_copy_in_completes_cut_elements_wherever_the_staged_bytes_lie(dtype: tor
             at = rng.choice([(-head) % esz, rng.randrange(esz)])  # aligned with the elements, or not
             staging = torch.empty(at + hi - lo + 8, dtype=torch.uint8)
             staging[at : at + hi - lo] = src[lo:hi]
-            ways.add((head > 0, layout._in_place(dst, staging[at : at + hi - lo], lo, hi) is not None))
-            layout.copy_in(staging[at : at + hi - lo], dst, lo, hi, carry)
+            ways.add((head > 0, tensor_bytes._in_place(dst, staging[at : at + hi - lo], lo, hi) is not None))
+            tensor_bytes.copy_in(staging[at : at + hi - lo], dst, lo, hi, carry)
         assert_bytes_equal(dst, t)
     assert ways == {(False, False), (False, True), (True, False), (True, True)}

@@ -16,7 +16,7 @@ import torch
 
 import ckptstream
 from ckptstream._errors import UnsupportedTypeError
-from memstore import MemStorage
+from tests.memstore import MemStorage
 
 CUDA = torch.cuda.is_available()
 
@@ -256,3 +256,23 @@ def test_long_ints_within_the_limit_round_trip(tmp_path: Path) -> None:
     ckptstream.save(state, tmp_path / "c")
     back = ckptstream.load(tmp_path / "c")
     assert (back["a"], back["b"], back["keys"]) == (state["a"], state["b"], state["keys"])
+
+
+# --- where the exceptions live --------------------------------------------------------------
+
+
+def test_every_public_exception_is_defined_in_the_errors_module() -> None:
+    """One hierarchy in one module: every exception and warning the public API exports (the
+    package, ``dcp``, ``lightning``) is a class of ``ckptstream._errors``, re-exported."""
+    import ckptstream.dcp
+    import ckptstream.lightning
+
+    found = {}
+    for module in (ckptstream, ckptstream.dcp, ckptstream.lightning):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                found[f"{module.__name__}.{name}"] = value.__module__
+    assert {"ckptstream.ExportError", "ckptstream.DirectoryLockedError", "ckptstream.CheckpointTimeoutError",
+            "ckptstream.SnapshotFallbackWarning", "ckptstream.lightning.StorageOptionsError"} <= set(found)
+    assert {k: v for k, v in found.items() if v != "ckptstream._errors"} == {}

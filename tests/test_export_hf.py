@@ -19,10 +19,10 @@ pytest.importorskip("transformers")
 
 import ckptstream
 from ckptstream import CorruptCheckpointError, ExportError, Settings
-from ckptstream._layout import step_dir, write_done
+from ckptstream._manager.directory import step_dir, write_done
 from ckptstream.cli import main
-from helpers import flip_last_byte
-from hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state
+from tests.helpers import flip_last_byte
+from tests.hfutil import assert_reloads, check_folder, logits, reload, tiny_config, tiny_gpt2, trained_state
 
 SMALL: dict[str, Any] = {"buffer_size": 8192, "num_buffers": 3, "io_threads": 3}  # windows cut tensors and runs
 
@@ -247,7 +247,7 @@ def test_the_benchmark_measures_an_export_against_a_save(tmp_path: Path, capsys:
 def test_shards_are_cut_as_huggingface_hub_cuts_them() -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from ckptstream._export_plan import OutTensor, split
+    from ckptstream._export.plan import OutTensor, split
 
     rng = torch.Generator().manual_seed(3)
     for limit in (100, 128, 1000):

@@ -16,8 +16,8 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream._header import DTYPE_NAMES
-from helpers import DTYPES, POISON_BYTE, assert_bytes_equal, header_of, poisoned_like, random_bytes, random_tensor
+from ckptstream._format.header import DTYPE_NAMES
+from tests.helpers import DTYPES, POISON_BYTE, assert_bytes_equal, header_of, poisoned_like, random_bytes, random_tensor
 
 STORABLE_DTYPES = [d for d in DTYPES if d in DTYPE_NAMES]
 

@@ -18,7 +18,7 @@ from ckptstream import Settings, _checksum
 from ckptstream._engine import Piece, ReadEngine, WriteEngine, gpucrc
 from ckptstream._storage import local
 from ckptstream._storage.files import FileSink, FileSource
-from helpers import EDGE_CASES, as_bytes, assert_bytes_equal, flip_last_byte, packed_pieces, poisoned_like
+from tests.helpers import EDGE_CASES, as_bytes, assert_bytes_equal, flip_last_byte, packed_pieces, poisoned_like
 
 
 def crc(data: bytes) -> int:

@@ -14,7 +14,7 @@ import torch
 
 import ckptstream
 from ckptstream.lightning import StreamCheckpointIO
-from lightningutil import LIGHTNING_WARNINGS, assert_same, bits, files, fit
+from tests.lightningutil import LIGHTNING_WARNINGS, assert_same, bits, files, fit
 
 pytestmark = [*LIGHTNING_WARNINGS, pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:.*The dirpath has changed.*")]

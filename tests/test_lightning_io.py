@@ -25,7 +25,8 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 import ckptstream
 from ckptstream import CorruptCheckpointError, UnsupportedTypeError
 from ckptstream.lightning import TYPES_KEY, StorageOptionsError, StreamCheckpointIO, UnsupportedPathError
-from lightningutil import held_saves
+from tests.helpers import child_env
+from tests.lightningutil import held_saves
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ASYNC = ["device", "lazy", "host"]
@@ -409,9 +410,8 @@ def test_lazy_hooks_are_gone_after_teardown(tmp_path: Path) -> None:
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": path}, check=False)
+                          env=child_env(), check=False)
 
 
 def test_import_ckptstream_does_not_import_lightning() -> None:

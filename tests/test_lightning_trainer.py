@@ -15,7 +15,7 @@ import torch
 
 import ckptstream
 from ckptstream.lightning import StreamCheckpointIO
-from lightningutil import LIGHTNING_WARNINGS, AtBatchEnd, assert_same, bits, files, fit, held_saves
+from tests.lightningutil import LIGHTNING_WARNINGS, AtBatchEnd, assert_same, bits, files, fit, held_saves
 
 pytestmark = [*LIGHTNING_WARNINGS, pytest.mark.filterwarnings("ignore:.*The dirpath has changed.*")]
 

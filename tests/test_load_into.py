@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import ckptstream
-from ckptstream import Settings, _blocks, _load_into
-from ckptstream._header import DTYPE_NAMES
-from ckptstream._structure import KeyPath
-from helpers import (
+from ckptstream import Settings
+from ckptstream._checkpoint import blocks, load_into
+from ckptstream._format.header import DTYPE_NAMES
+from ckptstream._format.structure import KeyPath
+from tests.helpers import (
     WRITABLE_EDGE_CASES,
     as_bytes,
     assert_bytes_equal,
@@ -25,7 +26,7 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
-from memstore import Place
+from tests.memstore import Place
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 
@@ -108,7 +109,7 @@ def test_small_host_tensors_gather_in_long_runs_and_others_stream_straight(tmp_p
     state = {"a_big": random_tensor((40_000,)), "b_lone": random_tensor((33,)), "c_big": random_tensor((50_000,)),
              "d0": random_tensor((7, 3), torch.bfloat16), "d1": random_tensor((9,), torch.bfloat16),
              "d_big": random_tensor((60_000,), torch.bfloat16)}
-    run = [f"e{i}" for i in range(_blocks.HOST_RUN)] if with_run else []
+    run = [f"e{i}" for i in range(blocks.HOST_RUN)] if with_run else []
     state.update({k: random_tensor((10 + i,), torch.int16) for i, k in enumerate(run)})
     path = tmp_path / "runs.safetensors"
     ckptstream.save(state, path)
@@ -358,10 +359,10 @@ def test_the_short_way_finds_what_the_full_checks_find(tmp_path: Path) -> None:
     with ckptstream.open(path) as reader:
         entries = {e.path: e for e in reader.entries()}
     targets: dict[KeyPath, torch.Tensor] = {(k,): t for k, t in cases.items()}
-    found = _load_into._survey(targets, entries)
-    full = _load_into._Survey()
+    found = load_into._survey(targets, entries)
+    full = load_into._Survey()
     for p, t in targets.items():
-        _load_into._check_target(p, t, full)
+        load_into._check_target(p, t, full)
     assert (found.missing, found.wrong) == ([], [])
     assert found.unfit == full.unfit
     assert sorted(found.spans) == sorted(full.spans)

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,14 +15,13 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import Settings, _async, _save
+from ckptstream import Settings
+from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 from ckptstream._storage import storage_for
-from helpers import random_tensor
-from memstore import Crash, MemStorage, Place, Step
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import differences, free_port, start_child
+from tests.helpers import random_tensor
+from tests.memstore import Crash, MemStorage, Place, Step
+from tests.resume.trainutil import differences, free_port, start_child
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 
@@ -159,7 +157,7 @@ def test_a_step_that_is_complete_is_never_saved_again(place: Place) -> None:
 
 
 def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_path: Path,
-                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     directory, outside = tmp_path / "ckpts", tmp_path / "outside"
     with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
         ckpts.save(state(3), 3, blocking=True)
@@ -185,18 +183,20 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
         assert ckpts.steps() == [3]
         assert [c.step for c in ckptstream.check_steps(directory)] == [1, 3]
         assert ckptstream.check_step(directory / "step-0005").step is None
-        capfd.readouterr()
+        caplog.clear()
         ckpts.save(state(4), 4, blocking=True)  # prunes 3 (keep=1) and the incomplete 1
-        said = capfd.readouterr().err
+        said = [(r.name, r.levelname, r.getMessage()[:200]) for r in caplog.records]
         assert ckpts.steps() == [4]
         assert entries(mixed) == ["my-notes.txt"]
-        assert f"kept the folder {mixed}: it holds files the manager did not write (my-notes.txt)" in said, said
+        kept = f"kept the folder {mixed}: it holds files the manager did not write (my-notes.txt)"
+        assert [(name, level) for name, level, m in said if m.startswith(kept)] == [("ckptstream", "WARNING")], said
+        caplog.clear()
         ckpts.save(state(5), 5, blocking=True)  # the folder of the user's file alone: left, unsaid
-        assert capfd.readouterr().err == ""
+        assert caplog.records == []
         # delete() of a step holding a file of the user's: the checkpoint goes, the folder stays
         (directory / "step-000000000005" / "my-notes.txt").write_text("mine too")
         ckpts.delete(5)
-        assert f"kept the folder {directory / 'step-000000000005'}" in capfd.readouterr().err
+        assert f"kept the folder {directory / 'step-000000000005'}" in caplog.text
         assert ckpts.steps() == []
         assert entries(directory / "step-000000000005") == ["my-notes.txt"]
         with pytest.raises(FileNotFoundError, match="no such checkpoint"):
@@ -399,14 +399,14 @@ def test_two_ranks_complete_a_step_only_together(how: str, tmp_path: Path) -> No
 
 
 def test_saves_in_flight_together_complete_in_step_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _save.write_checkpoint
+    real = save.write_checkpoint
 
     def first_is_late(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         if "step-000000000001" in path:
             time.sleep(0.5)
         real(plan, path, *args, **kwargs)
 
-    monkeypatch.setattr(_async, "write_checkpoint", first_is_late)
+    monkeypatch.setattr(save_async, "write_checkpoint", first_is_late)
     with ckptstream.CheckpointManager(tmp_path, keep=1, max_in_flight=2) as ckpts:
         first, second = ckpts.save(state(1), 1), ckpts.save(state(2), 2)
         assert second.result()

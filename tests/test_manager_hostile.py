@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import _layout
+from ckptstream._manager import directory
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 
@@ -30,7 +30,7 @@ def state(step: int) -> dict[str, Any]:
 
 
 def record(files: dict[str, Any], world_size: int | None = None, step: int = HOSTILE, **extra: Any) -> bytes:
-    done = {"format": _layout.FORMAT, "step": step, "world_size": len(files) if world_size is None else world_size,
+    done = {"format": directory.FORMAT, "step": step, "world_size": len(files) if world_size is None else world_size,
             "files": files, **extra}
     return json.dumps(done).encode()
 
@@ -143,7 +143,7 @@ def test_a_deep_done_is_refused_unparsed_whatever_its_size() -> None:
     """The bracket bound alone keeps json from recursing (the size bound comes first in a folder)."""
     for data in (b"[" * 200_000 + b"]" * 200_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
         with pytest.raises(ValueError, match="brackets"):
-            _layout.parse_done(data)
+            directory.parse_done(data)
 
 
 def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> None:

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import ckptstream
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import HERE, child_env, free_port
+from tests.helpers import child_env
+from tests.resume.trainutil import HERE, free_port
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 

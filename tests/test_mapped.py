@@ -25,11 +25,12 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, TruncatedFileError, UnsupportedStorageError, _checksum, _mapped
-from ckptstream._header import DTYPE_NAMES
+from ckptstream import CorruptCheckpointError, TruncatedFileError, UnsupportedStorageError, _checksum
+from ckptstream._checkpoint import mapped as _mapped
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import mapping
 from ckptstream.bench import systems
-from helpers import (
+from tests.helpers import (
     EDGE_CASES,
     FLOAT4,
     MiB,

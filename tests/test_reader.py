@@ -19,7 +19,7 @@ import torch
 
 import ckptstream
 from ckptstream import Settings
-from helpers import (
+from tests.helpers import (
     MiB,
     as_bytes,
     assert_bytes_equal,
@@ -29,7 +29,7 @@ from helpers import (
     poisoned_like,
     random_tensor,
 )
-from memstore import MemStorage, Place
+from tests.memstore import MemStorage, Place
 
 METADATA = {"run": "reader", "note": "ünïcode"}
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import differences, run_child
+from tests.resume.trainutil import differences, run_child
 
 N, SAVE_EVERY, STOP = 14, 3, 10  # the run stops after step 10; the newest checkpoint is step 9, mid-epoch
 EPOCH = 8  # batches per epoch (64 samples, batch 8): the resumed run crosses into epoch 1

@@ -6,7 +6,6 @@ the run bit for bit."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,11 +16,9 @@ import torch
 from torch import nn
 
 import ckptstream
-from ckptstream import _load_into
-from helpers import random_tensor
-
-sys.path.insert(0, str(Path(__file__).parent / "resume"))
-from trainutil import differences, run_child
+from ckptstream._checkpoint import load_into
+from tests.helpers import random_tensor
+from tests.resume.trainutil import differences, run_child
 
 
 def trained(device: str = "cpu", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -112,7 +109,7 @@ def test_several_gpus_need_a_device(tmp_path: Path) -> None:
     on_two_gpus: Any = {("a",): SimpleNamespace(device=torch.device("cuda", 0)),
                         ("b",): SimpleNamespace(device=torch.device("cuda", 1))}
     with ckptstream.open(path) as reader, pytest.raises(ckptstream.StateMismatchError, match="pass device="):
-        _load_into._created(reader, {"opt": {}}, on_two_gpus, "auto")
+        load_into._created(reader, {"opt": {}}, on_two_gpus, "auto")
 
 
 def test_the_readme_resume_in_a_fresh_process(tmp_path: Path) -> None:

@@ -24,10 +24,11 @@ import safetensors.torch
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, _header
-from ckptstream._header import DTYPE_NAMES
-from helpers import DTYPES, FLOAT4, EdgeCase, dtype_name, needs_e8m0, needs_float4, random_tensor
-from helpers import EDGE_CASES as EDGE_CASE_TABLE
+from ckptstream import CorruptCheckpointError
+from ckptstream._format import header as _header
+from ckptstream._format.header import DTYPE_NAMES
+from tests.helpers import DTYPES, FLOAT4, EdgeCase, dtype_name, needs_e8m0, needs_float4, random_tensor
+from tests.helpers import EDGE_CASES as EDGE_CASE_TABLE
 
 # --- helpers (kept here: this file stands alone) --------------------------------------------
 

@@ -18,8 +18,8 @@ import torch
 import ckptstream
 from ckptstream import DirectIO, Settings, _settings
 from ckptstream._engine.engine import Engine
-from ckptstream._export_copy import Copier
-from helpers import assert_bytes_equal, random_bytes, random_tensor, spy_on_staging
+from ckptstream._export.copy import Copier
+from tests.helpers import assert_bytes_equal, random_bytes, random_tensor, spy_on_staging
 
 ENV = ("CKPTSTREAM_BUFFER_SIZE", "CKPTSTREAM_NUM_BUFFERS", "CKPTSTREAM_IO_THREADS", "CKPTSTREAM_DIRECT_IO")
 

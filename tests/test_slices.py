@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptstream
-from helpers import assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
+from tests.helpers import assert_bytes_equal, is_poisoned, poisoned_like, random_tensor
 
 SHAPES = [(40, 33), (7,), (5, 4, 3), (3, 1, 6, 2), (0, 5), (6, 0, 2), (1,), (9, 11)]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]

@@ -19,8 +19,8 @@ import ckptstream
 from ckptstream import DirectIO, UnsupportedStorageError
 from ckptstream._storage import Entry, LockHeldError, Storage, dispatch, fileio, publish, register, storage_for
 from ckptstream._storage.local import LOCAL
-from helpers import KiB, assert_bytes_equal, direct_io_supported, random_bytes, random_tensor
-from memstore import Crash, MemSink, MemStorage
+from tests.helpers import KiB, assert_bytes_equal, direct_io_supported, random_bytes, random_tensor
+from tests.memstore import Crash, MemSink, MemStorage
 
 # --- which storage ---------------------------------------------------------------------------------
 

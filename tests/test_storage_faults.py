@@ -15,8 +15,8 @@ import torch
 
 import ckptstream
 from ckptstream import CorruptCheckpointError, Settings, TruncatedFileError
-from helpers import Resources, assert_same_state, poisoned_like
-from memstore import Crash, MemStorage
+from tests.helpers import Resources, assert_same_state, poisoned_like
+from tests.memstore import Crash, MemStorage
 
 PATH = "mem://test/ckpt.safetensors"
 SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}  # many chunks

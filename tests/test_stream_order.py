@@ -19,7 +19,7 @@ import torch
 import ckptstream
 from ckptstream import Settings
 from ckptstream._engine import streams
-from streamsim import SimDevices
+from tests.streamsim import SimDevices
 
 # small chunks, fewer buffers than chunks: every buffer is reused while copies are pending
 SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}

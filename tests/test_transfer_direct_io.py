@@ -16,7 +16,7 @@ from ckptstream import DirectIO, Settings
 from ckptstream._engine import Piece, ReadEngine, WriteEngine
 from ckptstream._storage import fileio, local
 from ckptstream._storage.files import FileSink, FileSource
-from helpers import as_bytes, assert_bytes_equal, direct_io_supported, poisoned_like, random_bytes
+from tests.helpers import as_bytes, assert_bytes_equal, direct_io_supported, poisoned_like, random_bytes
 
 
 def test_direct_io_setting_decides_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

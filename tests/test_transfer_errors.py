@@ -19,7 +19,7 @@ from ckptstream import Settings
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio
-from helpers import (
+from tests.helpers import (
     POISON_BYTE,
     READ_CALLS,
     Resources,

@@ -13,7 +13,7 @@ import torch
 import ckptstream
 from ckptstream import DirectIO, Settings
 from ckptstream._storage import fileio
-from helpers import (
+from tests.helpers import (
     POISON_BYTE,
     KiB,
     Resources,

@@ -12,7 +12,7 @@ import torch
 import ckptstream
 from ckptstream import Settings
 from ckptstream._engine.buffers import POOL, StagingBuffer
-from helpers import POISON_BYTE, as_bytes, assert_bytes_equal, poisoned_like, random_tensor
+from tests.helpers import POISON_BYTE, as_bytes, assert_bytes_equal, poisoned_like, random_tensor
 
 pytestmark = pytest.mark.gpu
 

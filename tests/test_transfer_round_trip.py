@@ -10,7 +10,7 @@ import torch
 
 import ckptstream
 from ckptstream import DirectIO, Settings
-from helpers import (
+from tests.helpers import (
     EDGE_CASE_NAMES,
     EDGE_CASES,
     EdgeCase,

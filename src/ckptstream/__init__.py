@@ -2,17 +2,28 @@
 
 from typing import TYPE_CHECKING
 
-from ._async import AsyncMode, CheckpointNotSavedError, SaveHandle, SnapshotFallbackWarning, save_async
+from ._checkpoint.load import load, open, read_metadata, verify
+from ._checkpoint.load_into import load_into
+from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
+from ._checkpoint.save import save
+from ._checkpoint.save_async import AsyncMode, SaveHandle, save_async
+from ._checkpoint.transfer import device_to_file, file_to_device
 from ._engine import release_staging, staging_bytes
 from ._errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    CheckpointNotSavedError,
+    CheckpointTimeoutError,
     CkptStreamError,
     ConnectionLostError,
     CorruptCheckpointError,
+    DirectoryLockedError,
+    ExportError,
+    IncompleteCheckpointError,
     NoCredentialsError,
     ObjectNotFoundError,
     ObjectStoreError,
+    SnapshotFallbackWarning,
     StateMismatchError,
     StateMismatchWarning,
     ThrottledError,
@@ -20,23 +31,9 @@ from ._errors import (
     UnsupportedStorageError,
     UnsupportedTypeError,
 )
-from ._export import HFExport, export_hf
-from ._export_plan import ExportError
-from ._load import load, open, read_metadata, verify
-from ._load_into import load_into
-from ._manager import (
-    CheckpointManager,
-    CheckpointTimeoutError,
-    DirectoryLockedError,
-    IncompleteCheckpointError,
-    StepCheck,
-    check_step,
-    check_steps,
-)
-from ._reader import CheckpointReader, TensorEntry, TensorSlice
-from ._save import save
+from ._export.export import HFExport, export_hf
+from ._manager.manager import CheckpointManager, StepCheck, check_step, check_steps
 from ._settings import DirectIO, Settings, settings
-from ._transfer import device_to_file, file_to_device
 
 __version__ = "0.1.0"
 

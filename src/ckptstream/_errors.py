@@ -91,3 +91,48 @@ class StateMismatchWarning(UserWarning):
     def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
         super().__init__(message)
         self.missing, self.unexpected = missing, unexpected
+
+
+class CheckpointNotSavedError(CkptStreamError, RuntimeError):
+    """An earlier background save of this process failed and its error was not collected (by
+    ``result()`` or ``wait()``): the next ``save_async`` raises it instead of starting."""
+
+
+class SnapshotFallbackWarning(UserWarning):
+    """``save_async(mode="device")`` found too little free GPU memory for its snapshot: it
+    streamed from the live tensors and returned once they were copied out (a stall)."""
+
+
+class DirectoryLockedError(CkptStreamError, RuntimeError):
+    """Another CheckpointManager writes this directory as the same rank (``holder`` says which
+    process: host and pid); read-only use (``latest_step``, ``steps``, ``load``, ``path``)
+    needs no lock."""
+
+    def __init__(self, message: str, directory: str, rank: int, holder: dict[str, object]) -> None:
+        super().__init__(message)
+        self.directory, self.rank, self.holder = directory, rank, holder
+
+
+class IncompleteCheckpointError(CkptStreamError, RuntimeError):
+    """A step of a CheckpointManager did not complete: another rank's save failed, or the ranks
+    disagree on the step (each rank's own failure is raised as itself)."""
+
+
+class CheckpointTimeoutError(IncompleteCheckpointError, TimeoutError):
+    """A step of a CheckpointManager did not complete within its ``timeout``: a rank never
+    reported it (not running, or not saving the same steps)."""
+
+
+class ExportError(CkptStreamError, ValueError):
+    """A source cannot be exported as asked: nothing under the prefix, an unknown dtype or size,
+    ranks that disagree, chunks that cannot be read without running code. The message names the
+    source and says what to do."""
+
+
+class StorageOptionsError(CkptStreamError, TypeError):
+    """``storage_options`` (``Trainer.save_checkpoint(..., storage_options=...)``) or a
+    ``map_location`` that StreamCheckpointIO does not take."""
+
+
+class UnsupportedPathError(CkptStreamError, ValueError):
+    """A checkpoint path on a remote file system (``s3://...``): StreamCheckpointIO writes local files."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptstream
 import ckptstream.dcp
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 SRC = Path(ckptstream.__file__).resolve().parent.parent
@@ -167,12 +167,10 @@ def raises_metadata_error(kind: type[BaseException], match: str, fn: Any, *args:
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()
     # NVLink multicast stays off on shared GPU hosts
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         env.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
 

@@ -23,12 +23,22 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import EXTRA, SEED, global_tensors, has_hf_reader, plain_value, poisoned_like, rank_local, same_bits
 
 import ckptstream
 import ckptstream.dcp
 from ckptstream import Settings
 from ckptstream._storage import fileio
+from ckptstream.bench.measure import PeakRss
+from tests.dcp.dcp_helpers import (
+    EXTRA,
+    SEED,
+    global_tensors,
+    has_hf_reader,
+    plain_value,
+    poisoned_like,
+    rank_local,
+    same_bits,
+)
 
 try:
     from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -396,30 +406,6 @@ def resave_fails_on_one_rank(ctx: Ctx) -> None:
 
 # --- GPU only: host memory stays bounded -------------------------------------------------
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """The peak resident set size while the block runs (sampled every millisecond)."""
-
-    def __enter__(self) -> PeakRss:
-        self.peak, self._stop = rss(), threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, rss())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-
-
 def synchronize(ctx: Ctx) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
@@ -441,21 +427,19 @@ def scenario_memory(ctx: Ctx) -> None:
     dcp.save(warm, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "warm", settings=Settings(**options)))
     dcp.load(warm, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "warm", settings=Settings(**options)))
     synchronize(ctx)
-    base = rss()
     with PeakRss() as saving:
         dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "big", settings=Settings(**options)))
     loaded = {k: DTensor.from_local(poisoned_like(v.to_local()), ctx.mesh, [Shard(0)]) for k, v in state.items()}
-    base_load = rss()
     with PeakRss() as loading:
         dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "big", settings=Settings(**options)))
         synchronize(ctx)
     for key in state:
         assert torch.equal(loaded[key].to_local(), state[key].to_local()), key
     limit = staging + 64 * mib
-    print(f"rank {ctx.rank}: RSS +{(saving.peak - base) / mib:.0f} MiB saving, +{(loading.peak - base_load) / mib:.0f}"
+    print(f"rank {ctx.rank}: RSS +{saving.growth / mib:.0f} MiB saving, +{loading.growth / mib:.0f}"
           f" MiB loading, {sum(v.to_local().nbytes for v in state.values()) / mib:.0f} MiB of state", flush=True)
-    assert saving.peak - base <= limit, f"save grew RSS by {(saving.peak - base) / mib:.0f} MiB"
-    assert loading.peak - base_load <= limit, f"load grew RSS by {(loading.peak - base_load) / mib:.0f} MiB"
+    assert saving.growth <= limit, f"save grew RSS by {saving.growth / mib:.0f} MiB"
+    assert loading.growth <= limit, f"load grew RSS by {loading.growth / mib:.0f} MiB"
 
 
 SCENARIOS = {"reshard": scenario_reshard, "fsdp": scenario_fsdp, "kill": scenario_kill, "memory": scenario_memory}

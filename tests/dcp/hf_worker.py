@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptstream.dcp
-from hfutil import tiny_gpt2
+from tests.hfutil import tiny_gpt2
 
 try:
     from torch.distributed.tensor import Shard, distribute_tensor

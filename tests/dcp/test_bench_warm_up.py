@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import torch
-from dcp_helpers import HERE, load_1, same_bits, worker_env
 
 import ckptstream.dcp
 from ckptstream.bench.multirank import rank_envs
+from tests.dcp.dcp_helpers import HERE, load_1, same_bits, worker_env
 
 
 def test_first_dcp_save_after_joining_imports_no_dtensor_machinery(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ two gloo ranks fails leaves no ``.metadata`` beside the other rank's new file.)"
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,12 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_helpers import load_1, poisoned_like, same_bits, save_1
 
 from ckptstream._storage import publish
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
-from test_durability import OPTS, Trace, temps
+from tests.dcp.dcp_helpers import load_1, poisoned_like, same_bits, save_1
+from tests.reliability.test_durability import OPTS, Trace, temps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RANK0 = "rank-00000.safetensors"

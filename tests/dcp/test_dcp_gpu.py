@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dcp_helpers import check_full, destination, global_tensors, load_1, nested, run_ranks, save_1
 from safetensors import safe_open
 
 import ckptstream.dcp
+from tests.dcp.dcp_helpers import check_full, destination, global_tensors, load_1, nested, run_ranks, save_1
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,12 +21,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import load_1, poisoned_like, raises_metadata_error, same_bits, save_1, single_process, worker_env
 
 import ckptstream
 import ckptstream.dcp
 from ckptstream._storage import fileio as _fileio
 from ckptstream.dcp import _metadata
+from tests.dcp.dcp_helpers import (
+    load_1,
+    poisoned_like,
+    raises_metadata_error,
+    same_bits,
+    save_1,
+    single_process,
+    worker_env,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RANK0 = "rank-00000.safetensors"

@@ -34,7 +34,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import (
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import ckptstream
+import ckptstream.dcp
+from ckptstream.dcp import _metadata, _pickles
+from tests.dcp.dcp_helpers import (
     HERE,
     load_1,
     raises_in_dcp,
@@ -44,11 +49,6 @@ from dcp_helpers import (
     single_process,
     worker_env,
 )
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-import ckptstream
-import ckptstream.dcp
-from ckptstream.dcp import _metadata, _pickles
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 CHILD = HERE / "child_pickles.py"

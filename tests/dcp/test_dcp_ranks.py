@@ -14,7 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_helpers import (
+from safetensors import safe_open
+
+import ckptstream
+import ckptstream.dcp
+from tests.dcp.dcp_helpers import (
     EXTRA,
     SEED,
     box,
@@ -38,10 +42,6 @@ from dcp_helpers import (
     start_ranks,
     torch_version,
 )
-from safetensors import safe_open
-
-import ckptstream
-import ckptstream.dcp
 
 MODES = ("device", "lazy", "host")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import (
+from safetensors import safe_open
+
+import ckptstream
+import ckptstream.dcp
+from ckptstream import Settings
+from ckptstream.dcp import StreamReader, StreamWriter
+from tests.dcp.dcp_helpers import (
     assert_same,
     edge_state,
     fresh_destination,
@@ -29,12 +35,6 @@ from dcp_helpers import (
     single_process,
     worker_env,
 )
-from safetensors import safe_open
-
-import ckptstream
-import ckptstream.dcp
-from ckptstream import Settings
-from ckptstream.dcp import StreamReader, StreamWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2}  # chunks that cut tensors, and elements, in two

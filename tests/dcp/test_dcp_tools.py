@@ -19,7 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import (
+
+import ckptstream
+import ckptstream.dcp
+from tests.dcp.dcp_helpers import (
     assert_same,
     edge_state,
     fresh_destination,
@@ -29,9 +32,6 @@ from dcp_helpers import (
     single_process,
     torch_version,
 )
-
-import ckptstream
-import ckptstream.dcp
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 READS_DESCRIPTORS = torch_version() >= (2, 7)  # FileSystemReader asks each record for its transforms

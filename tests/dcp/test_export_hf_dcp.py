@@ -6,7 +6,6 @@ refused; on the GPU machine, a checkpoint of CUDA DTensors."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -20,13 +19,13 @@ import torch
 pytest.importorskip("transformers")
 
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import HERE, finish_ranks, single_process, worker_env
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckptstream
 import ckptstream.dcp
 from ckptstream import ExportError, Settings
-from hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2
+from tests.dcp.dcp_helpers import HERE, finish_ranks, single_process, worker_env
+from tests.hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2
 
 TESTS = HERE.parent
 
@@ -35,7 +34,6 @@ def run_job(scenario: str, workdir: Path, world: int = 2, backend: str = "gloo")
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / f"store-{scenario}-{time.monotonic_ns()}"
     env = worker_env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(TESTS)])  # worker_env's paths, and the tests'
 
     procs = [subprocess.Popen([sys.executable, str(HERE / "hf_worker.py"), scenario, str(rank), str(world),
                                str(workdir), str(store), backend], env=env, stdout=subprocess.PIPE,

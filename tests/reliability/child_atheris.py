@@ -15,7 +15,7 @@ import torch  # noqa: F401  (imported first: not instrumented)
 
 with atheris.instrument_imports():
     import ckptstream  # noqa: F401  (its modules are instrumented for coverage)
-from fuzzutil import check_file, frame
+from tests.reliability.fuzzutil import check_file, frame
 
 CASE = sys.argv[1]
 

@@ -10,13 +10,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
 from typing import Any
 
 import ckptstream
-from ckptstream import Settings, _export_copy
+from ckptstream import Settings
+from ckptstream._export import copy
 from ckptstream._storage import files
 
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}
@@ -34,7 +36,7 @@ def ready_and_wait() -> None:
 def kill_at(point: str) -> None:
     calls = {"move": 0, "run": 0, "publish": 0}
     lock = threading.Lock()
-    run, move, publish = _export_copy.Copier.run, _export_copy.Copier._move, files.AtomicSink.publish
+    run, move, publish = copy.Copier.run, copy.Copier._move, files.AtomicSink.publish
 
     def counted_run(self: Any) -> Any:
         calls["run"] += 1
@@ -53,8 +55,8 @@ def kill_at(point: str) -> None:
             ready_and_wait()
         return publish(self)
 
-    _export_copy.Copier.run = counted_run  # type: ignore[method-assign]
-    _export_copy.Copier._move = counted_move  # type: ignore[method-assign,assignment]
+    copy.Copier.run = counted_run  # type: ignore[method-assign]
+    copy.Copier._move = counted_move  # type: ignore[method-assign,assignment]
     files.AtomicSink.publish = counted_publish  # type: ignore[method-assign]
 
 
@@ -66,14 +68,15 @@ def main() -> int:
                                                                                                  num_buffers=2))
         print("finished", flush=True)
         return 0
-    from child_memory import Peak
+    from ckptstream.bench.measure import PeakRss
 
     with ckptstream.open(src) as reader:
         largest = max(e.nbytes for e in reader.entries())
-    with Peak() as peak:
+    gc.collect()
+    with PeakRss() as peak:
         ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, settings=Settings(**SETTINGS))
         staging = ckptstream.staging_bytes()
-    print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "largest": largest}))
+    print(json.dumps({"growth": peak.growth, "staging": staging, "largest": largest}))
     return 0
 
 

@@ -14,10 +14,10 @@ import sys
 from typing import Any
 
 import torch
-from relutil import KiB, MiB, assert_same_state, engine_threads, fd_count, small_state, temp_files
 
 import ckptstream
 from ckptstream._engine.buffers import POOL
+from tests.reliability.relutil import KiB, MiB, assert_same_state, engine_threads, fd_count, small_state, temp_files
 
 LIMIT = 1 * MiB
 

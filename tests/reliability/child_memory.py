@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -18,42 +17,9 @@ import torch
 
 import ckptstream
 from ckptstream import Settings
+from ckptstream.bench.measure import PeakRss
 
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}  # 16 MiB of staging
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Peak:
-    """Peak RSS: the kernel's high-water mark where it can be reset, else sampled every 0.5 ms."""
-
-    def __enter__(self) -> Peak:
-        gc.collect()
-        self.base = rss()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.sampler = None
-        except OSError:
-            self.peak, self.stop = self.base, threading.Event()
-            self.sampler = threading.Thread(target=self._sample)
-            self.sampler.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self.stop.wait(0.0005):
-            self.peak = max(self.peak, rss())
-
-    def __exit__(self, *exc: object) -> None:
-        if self.sampler is None:
-            with open("/proc/self/status") as f:
-                self.peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-        else:
-            self.stop.set()
-            self.sampler.join()
 
 
 def state(mib: int) -> dict[str, object]:
@@ -83,7 +49,8 @@ def main() -> int:
         if isinstance(t, torch.Tensor):
             t.fill_(1)
     time.sleep(0.05)
-    with Peak() as peak:
+    gc.collect()
+    with PeakRss() as peak:
         if op == "save":
             ckptstream.save(s, path, settings=Settings(**SETTINGS))
         elif op == "load":
@@ -95,7 +62,7 @@ def main() -> int:
         assert all(torch.equal(out[k], v) for k, v in s.items() if isinstance(v, torch.Tensor))
     elif op == "load_into":
         assert all(torch.equal(target[k], v) for k, v in s.items() if isinstance(v, torch.Tensor))
-    print(json.dumps({"growth": peak.peak - peak.base, "staging": staging, "state": nbytes}))
+    print(json.dumps({"growth": peak.growth, "staging": staging, "state": nbytes}))
     return 0
 
 

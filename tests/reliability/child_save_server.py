@@ -24,10 +24,9 @@ import torch
 
 torch.set_num_threads(1)  # no OpenMP worker pool in this process: forking it stays safe
 
-from relutil import MiB, training_state  # noqa: E402
-
 import ckptstream  # noqa: E402
 from ckptstream._engine import WriteEngine  # noqa: E402
+from tests.reliability.relutil import MiB, training_state  # noqa: E402
 
 
 def emit(line: str) -> None:

@@ -15,10 +15,9 @@ import os
 import sys
 from typing import Any
 
-from relutil import MiB, training_state
-
 import ckptstream
 from ckptstream import Settings
+from tests.reliability.relutil import MiB, training_state
 
 
 def tell(line: str) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import CkptStreamError, CorruptCheckpointError, StateMismatchWarning, _header
+from ckptstream import CkptStreamError, CorruptCheckpointError, StateMismatchWarning
+from ckptstream._format import header
 
 SECONDS = 1.0
 # Python objects built from a parsed header take a bounded multiple of its bytes (a 3-byte "[]," is
@@ -42,9 +43,9 @@ def _decode_header(path: str) -> None:
     """The header codec alone, on the file's first bytes."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        start = _header.data_start(f.read(8), size, path)
+        start = header.data_start(f.read(8), size, path)
         f.seek(0)
-        _header.decode(f.read(start), size, path)
+        header.decode(f.read(start), size, path)
 
 
 def _open_reader(path: str) -> None:

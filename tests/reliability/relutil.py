@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ckptstream._engine.buffers import POOL
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 KiB, MiB = 1 << 10, 1 << 20
@@ -182,6 +183,6 @@ def run_child(script: str, *args: object, timeout: float = 120, env: dict[str, s
               preexec_fn: Any = None) -> subprocess.CompletedProcess[str]:
     """Run a helper script to completion; its stderr is shown if it fails."""
     proc = subprocess.run(child_command(script, *args), capture_output=True, text=True, timeout=timeout,
-                          env=env, preexec_fn=preexec_fn)
+                          env=child_env() if env is None else env, preexec_fn=preexec_fn)
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc

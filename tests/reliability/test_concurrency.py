@@ -9,7 +9,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from relutil import (
+import ckptstream
+from ckptstream import Settings
+from tests.helpers import child_env
+from tests.reliability.relutil import (
     MiB,
     all_temp_files,
     assert_released,
@@ -17,9 +20,6 @@ from relutil import (
     child_command,
     training_state,
 )
-
-import ckptstream
-from ckptstream import Settings
 
 SAVES = 12
 SIZE_MIB = 4
@@ -92,7 +92,7 @@ def test_loading_while_another_process_saves_over_the_path(tmp_path: Path) -> No
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save(version_state(0), path)
     writer = subprocess.Popen(child_command("child_saver_loop.py", path, 1, SAVES, SIZE_MIB), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+                              stdout=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
     commands, replies = writer.stdin, writer.stdout
     assert commands is not None
     assert replies is not None

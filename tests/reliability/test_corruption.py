@@ -23,13 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from fuzzutil import element_bytes
-from relutil import small_state, tensors_of
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, Settings, _blocks
-from ckptstream._header import Header
-from helpers import direct_io_supported
+from ckptstream import CorruptCheckpointError, Settings
+from ckptstream._checkpoint import blocks
+from ckptstream._format.header import Header
+from tests.helpers import direct_io_supported
+from tests.reliability.fuzzutil import element_bytes
+from tests.reliability.relutil import small_state, tensors_of
 
 CASES = 200
 POISON = 0xAB
@@ -55,11 +56,11 @@ def gathering(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     tensors are gathered) or, with the thresholds at one byte, streams every tensor straight
     into its target."""
     if request.param == "straight":
-        monkeypatch.setattr(_blocks, "SMALL", 1)
-        monkeypatch.setattr(_blocks, "HOST_SMALL", 1)
+        monkeypatch.setattr(blocks, "SMALL", 1)
+        monkeypatch.setattr(blocks, "HOST_SMALL", 1)
     else:
-        monkeypatch.setattr(_blocks, "HOST_SMALL", _blocks.SMALL)
-        monkeypatch.setattr(_blocks, "HOST_RUN", 1)
+        monkeypatch.setattr(blocks, "HOST_SMALL", blocks.SMALL)
+        monkeypatch.setattr(blocks, "HOST_RUN", 1)
     return bool(request.param == "gathered")
 
 

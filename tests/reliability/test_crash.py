@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relutil import (
+
+import ckptstream
+from ckptstream._storage import publish
+from tests.helpers import child_env
+from tests.reliability.relutil import (
     MiB,
     assert_same_state,
     child_command,
@@ -31,9 +35,6 @@ from relutil import (
     temp_name_pattern,
     training_state,
 )
-
-import ckptstream
-from ckptstream._storage import publish
 
 SIZE_MIB = 128  # big enough that one save takes long enough to be killed at many distinct moments
 TRIALS_PER_MODE = 16  # stratified over the save's duration, in each I/O mode
@@ -47,7 +48,7 @@ class SaveServer:
 
     def __init__(self, path: Path) -> None:
         self.proc = subprocess.Popen(child_command("child_save_server.py", path, SIZE_MIB), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=child_env())
         self.lines: queue.Queue[str] = queue.Queue()
         self.pump = threading.Thread(target=self._pump, name="save-server-reader", daemon=True)
         self.pump.start()

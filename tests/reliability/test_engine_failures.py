@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 import torch
-from relutil import (
+
+import ckptstream
+from ckptstream import DirectIO, Settings
+from ckptstream._engine import ReadEngine, WriteEngine
+from ckptstream._engine import read as read_engine
+from ckptstream._engine.engine import Engine
+from ckptstream._storage import fileio
+from tests.reliability.relutil import (
     KiB,
     MiB,
     all_temp_files,
@@ -32,13 +39,6 @@ from relutil import (
     settled_rss_kib,
     small_state,
 )
-
-import ckptstream
-from ckptstream import DirectIO, Settings
-from ckptstream._engine import ReadEngine, WriteEngine
-from ckptstream._engine import read as read_engine
-from ckptstream._engine.engine import Engine
-from ckptstream._storage import fileio
 
 READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0

@@ -5,7 +5,6 @@ and leaves no temp behind."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 pytest.importorskip("transformers")
 
 import ckptstream
-from hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2, trained_state
+from tests.hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2, trained_state
 
 HERE = Path(__file__).resolve().parent
 
 
 def kill_mid_export(src: Path, out: Path, point: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE),
-                                                        os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, str(HERE / "child_export.py"), "kill", str(src), str(out), point],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -5,7 +5,6 @@ child process of its own, as test_memory.py measures save and load."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import ckptstream
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -24,8 +24,7 @@ SLACK = 8 * MiB  # as test_memory.py: Python objects, the allocator's bookkeepin
 def test_peak_rss_of_an_export_is_the_staging_and_a_small_slack(tmp_path: Path, cast: str) -> None:
     src = tmp_path / "state.safetensors"
     ckptstream.save({"model": {"w": torch.randn(24 * MiB // 4, 4), "b": torch.randn(1000)}, "step": 1}, src)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE),
-                                                        os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, str(HERE / "child_export.py"), "memory", str(src), str(tmp_path / "hf"),
                            cast], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

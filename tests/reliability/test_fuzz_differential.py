@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from fuzzutil import element_bytes, encode_header, frame
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 
 import ckptstream
 from ckptstream import CorruptCheckpointError
-from helpers import EDGE_CASES
+from tests.helpers import EDGE_CASES
+from tests.reliability.fuzzutil import element_bytes, encode_header, frame
 
 DIFFERENTIAL = settings(max_examples=400, deadline=None, derandomize=True, database=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

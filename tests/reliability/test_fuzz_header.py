@@ -28,15 +28,15 @@ from typing import Any
 
 import pytest
 import torch
-from fuzzutil import check_file, check_rejected, element_bytes, encode_header, frame
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relutil import run_child, small_state
 
 import ckptstream
 from ckptstream import CorruptCheckpointError
 from ckptstream._checksum import crc_of
-from ckptstream._header import DTYPES
+from ckptstream._format.header import DTYPES
+from tests.reliability.fuzzutil import check_file, check_rejected, element_bytes, encode_header, frame
+from tests.reliability.relutil import run_child, small_state
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, _structure, cli
-from helpers import craft_checkpoint
+from ckptstream import CorruptCheckpointError, cli
+from ckptstream._format import structure as _structure
+from tests.helpers import craft_checkpoint
 
 MiB = 1 << 20
 
@@ -210,7 +211,7 @@ def test_depth_is_bounded_and_costs_little_within_the_bound(tmp_path: Path) -> N
     """A node's key path costs its depth, so depth is bounded (MAX_DEPTH, as save enforces):
     leaves at the deepest level allowed cost a small multiple of the same leaves near the top,
     and a structure one level deeper is refused before it costs anything."""
-    from ckptstream._structure import MAX_DEPTH
+    from ckptstream._format.structure import MAX_DEPTH
 
     leaves = ",".join(["1"] * 60_000)
     flat = craft_checkpoint(tmp_path / "flat.safetensors", [], '{"list":[{"list":[' + leaves + "]}]}")
@@ -237,20 +238,16 @@ def test_depth_is_bounded_and_costs_little_within_the_bound(tmp_path: Path) -> N
 _CHILD = textwrap.dedent("""
     import gc, sys
     import ckptstream
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    from ckptstream.bench.measure import PeakRss
 
     path, warm = sys.argv[1], sys.argv[2]
     ckptstream.load(warm)  # imports and first-use allocations out of the measurement
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = status("VmRSS:")
-    ckptstream.load(path)
-    print(status("VmHWM:") - base)
+    with PeakRss() as peak:
+        ckptstream.load(path)
+    print(peak.growth)
 """)
+
 MULTIPLE = 40  # the documented bound (docs/reliability.md, "Hostile files")
 
 

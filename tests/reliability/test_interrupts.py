@@ -6,19 +6,20 @@ file is left, the checkpoint is complete, and no freed descriptor receives a str
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_repeated_interrupts_leave_nothing_running(tmp_path: Path, seed: int) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, str(HERE / "child_interrupts.py"), str(tmp_path), "40", str(seed)],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

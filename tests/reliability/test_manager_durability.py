@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_durability import Trace, where
 
 import ckptstream
 from ckptstream import Settings
 from ckptstream._storage import publish
+from tests.reliability.test_durability import Trace, where
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 

@@ -5,12 +5,13 @@ a load by the loaded state besides. Each measured in a child process of its own.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -19,7 +20,7 @@ SLACK = 8 * MiB  # Python objects, the allocator's bookkeeping, one-element temp
 
 @pytest.mark.parametrize("op", ["save", "load", "load_into"])
 def test_peak_rss_is_the_staging_and_a_small_slack(tmp_path: Path, op: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     proc = subprocess.run([sys.executable, str(HERE / "child_memory.py"), op, str(tmp_path), "256"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from relutil import (
+
+import ckptstream
+from tests.reliability.relutil import (
     KiB,
     MiB,
     all_temp_files,
@@ -24,8 +26,6 @@ from relutil import (
     run_child,
     small_state,
 )
-
-import ckptstream
 
 
 def assert_names_the_file(e: OSError, path: Path) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from fuzzutil import check_file, encode_header, frame, torch_allocations
-from relutil import run_child, small_state
 
 import ckptstream
 from ckptstream import CorruptCheckpointError
+from tests.reliability.fuzzutil import check_file, encode_header, frame, torch_allocations
+from tests.reliability.relutil import run_child, small_state
 
 SRC = Path(ckptstream.__file__).resolve().parent
 UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib", "copyreg"}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import _async, _save
+from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 
 
@@ -37,14 +37,14 @@ def announce(line: str) -> None:
 
 def hold_saves_of(path: str, release: threading.Event) -> None:
     """Background saves of ``path`` start writing only once ``release`` is set."""
-    real = _save.write_checkpoint
+    real = save.write_checkpoint
 
     def held(plan: Any, target: str, *args: Any, **kwargs: Any) -> None:
         if target == path:
             release.wait()
         real(plan, target, *args, **kwargs)
 
-    _async.write_checkpoint = held  # type: ignore[attr-defined,assignment]
+    save_async.write_checkpoint = held  # type: ignore[attr-defined,assignment]
 
 
 def when_main_thread_waits_in(function: str, line: str) -> None:
@@ -55,7 +55,7 @@ def when_main_thread_waits_in(function: str, line: str) -> None:
     def inside() -> bool:
         frame = sys._current_frames().get(main)
         while frame is not None:
-            if frame.f_code.co_name == function and frame.f_code.co_filename == _async.__file__:
+            if frame.f_code.co_name == function and frame.f_code.co_filename == save_async.__file__:
                 return True
             frame = frame.f_back
         return False

@@ -19,11 +19,11 @@ import time
 from typing import Any
 
 import torch
-from trainutil import slow_chunks
 
 import ckptstream
 from ckptstream import Settings
 from ckptstream._engine.write import WriteEngine
+from tests.resume.trainutil import slow_chunks
 
 
 def failing_after(chunks: int) -> None:
@@ -42,10 +42,10 @@ def held_until_exit() -> None:
     """This process's saves write nothing until its exit hook has announced that it waits for
     them: a save is still in flight however long anything before takes (a forked child's own
     saves are not held)."""
-    from ckptstream import _async
+    from ckptstream._checkpoint import save_async
 
     parent, gate = os.getpid(), threading.Event()
-    real_write, real_say = WriteEngine._write, _async.say
+    real_write, real_say = WriteEngine._write, save_async.say_at_exit
 
     def write(self: WriteEngine, chunk: Any, buf: Any) -> None:
         if os.getpid() == parent:
@@ -58,7 +58,7 @@ def held_until_exit() -> None:
             gate.set()
 
     WriteEngine._write = write  # type: ignore[method-assign]
-    _async.say = say
+    save_async.say_at_exit = say
 
 
 def main(case: str, path: str) -> None:

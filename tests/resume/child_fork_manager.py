@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import _async, _save
+from ckptstream._checkpoint import save, save_async
 
 
 def state(step: int) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def read_all(fd: int) -> bytes:
 
 def main(directory: str, variant: str) -> None:
     started, gate = threading.Event(), threading.Event()
-    real = _save.write_checkpoint
+    real = save.write_checkpoint
 
     def held(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
         if "step-000000000002" in path:
@@ -61,7 +61,7 @@ def main(directory: str, variant: str) -> None:
             gate.wait()
         real(plan, path, *args, **kwargs)
 
-    _async.write_checkpoint = held  # type: ignore[attr-defined,assignment]
+    save_async.write_checkpoint = held  # type: ignore[attr-defined,assignment]
     report: dict[str, Any] = {}
     done_r, done_w = os.pipe()  # the child closes its end when it ends
     go_r, go_w = os.pipe()  # the parent closes its end when a lingering child may go

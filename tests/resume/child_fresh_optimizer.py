@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
 import warnings
 
 import torch
 from torch import nn
 
 import ckptstream
+from ckptstream.bench.measure import PeakRss
 
 
 def build(device: str, width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -37,11 +36,6 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, i: int, device: str, widt
     opt.zero_grad()
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def main(what: str, directory: str, device: str, width: int) -> None:
     path = os.path.join(directory, "ckpt.safetensors")
     if what == "save":
@@ -53,24 +47,9 @@ def main(what: str, directory: str, device: str, width: int) -> None:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(directory, "after4.pt"))
         return
     model, opt = build(device, width, seed=1)  # other weights: the file's must replace them
-    peak, stop = [rss()], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak.append(rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    base = rss()
-    sampler.start()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # nothing is skipped: no StateMismatchWarning
-            loaded = ckptstream.load_into({"model": model.state_dict(), "optim": opt.state_dict()}, path,
-                                          strict=False)
-    finally:
-        stop.set()
-        sampler.join()
+    with PeakRss() as peak, warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is skipped: no StateMismatchWarning
+        loaded = ckptstream.load_into({"model": model.state_dict(), "optim": opt.state_dict()}, path, strict=False)
     moments = loaded["optim"]["state"][0]
     opt.load_state_dict(loaded["optim"])
     step(model, opt, 3, device, width)
@@ -82,7 +61,7 @@ def main(what: str, directory: str, device: str, width: int) -> None:
     moment_bytes = sum(t.numel() * t.element_size() for s in loaded["optim"]["state"].values() for t in s.values())
     print(json.dumps({"same": same, "exp_avg_device": str(moments["exp_avg"].device),
                       "step_device": str(moments["step"].device), "moment_bytes": moment_bytes,
-                      "rss_growth": max(peak) - base, "staging_bytes": ckptstream.staging_bytes()}))
+                      "rss_growth": peak.growth, "staging_bytes": ckptstream.staging_bytes()}))
 
 
 if __name__ == "__main__":

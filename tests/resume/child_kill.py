@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import Settings, _layout, _manager
+from ckptstream import Settings
 from ckptstream._engine.write import WriteEngine
+from ckptstream._manager import directory as _directory
+from ckptstream._manager import manager
 
 
 def state(version: int) -> dict[str, Any]:
@@ -47,9 +49,9 @@ def main(directory: str, point: str) -> None:
 
         WriteEngine._write = write  # type: ignore[method-assign]
     elif point == "published":
-        _layout.write_done = lambda *args: stall(point)
+        _directory.write_done = lambda *args: stall(point)
     elif point == "pruning":
-        _manager.CheckpointManager._prune = lambda self, newest: stall(point)  # type: ignore[method-assign]
+        manager.CheckpointManager._prune = lambda self, newest: stall(point)  # type: ignore[method-assign]
     ckpts.save(state(2), 2)
     time.sleep(600)
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream import _layout, _ranks
+from ckptstream._manager import directory as _directory
+from ckptstream._manager import ranks
 
 GONE, WAITS, PRUNED = "step-1-deleted", "rank-0-waits-with-rank-1s-file-there", "rank-0-pruned"
 
@@ -36,11 +37,11 @@ def signal(signals: Path, name: str) -> None:
 
 
 def rank0_hooks(signals: Path) -> None:
-    real_poll, real_remove = _ranks.FileRanks._poll, _layout.remove_step
+    real_poll, real_remove = ranks.FileRanks._poll, _directory.remove_step
 
-    def poll(self: _ranks.FileRanks, step: int, folder: str, publish: Any) -> bool:
+    def poll(self: ranks.FileRanks, step: int, folder: str, publish: Any) -> bool:
         complete = real_poll(self, step, folder, publish)
-        if not complete and step > 1 and os.path.exists(os.path.join(folder, _layout.file_name(1, 2))):
+        if not complete and step > 1 and os.path.exists(os.path.join(folder, _directory.file_name(1, 2))):
             signal(signals, WAITS)
         return complete
 
@@ -50,20 +51,20 @@ def rank0_hooks(signals: Path) -> None:
             signal(signals, GONE)
         return result
 
-    _ranks.FileRanks._poll = poll  # type: ignore[method-assign]
-    _layout.remove_step = remove
+    ranks.FileRanks._poll = poll  # type: ignore[method-assign]
+    _directory.remove_step = remove
 
 
 def rank1_hooks(signals: Path) -> None:
-    real_poll = _ranks.FileRanks._poll
+    real_poll = ranks.FileRanks._poll
 
-    def poll(self: _ranks.FileRanks, step: int, folder: str, publish: Any) -> bool:
+    def poll(self: ranks.FileRanks, step: int, folder: str, publish: Any) -> bool:
         if step == 1:  # wait for a file: the order is what is tested, not a duration
             while not ((signals / GONE).exists() or (signals / WAITS).exists()):
                 time.sleep(0.005)
         return real_poll(self, step, folder, publish)
 
-    _ranks.FileRanks._poll = poll  # type: ignore[method-assign]
+    ranks.FileRanks._poll = poll  # type: ignore[method-assign]
 
 
 def main(rank: int, directory: str, signals: Path, keep: int, max_in_flight: int) -> None:

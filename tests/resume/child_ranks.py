@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ckptstream
-from ckptstream import _async, _save
+from ckptstream._checkpoint import save, save_async
 from ckptstream._storage import fileio as _fileio
 
 
@@ -41,7 +41,7 @@ def shard(rank: int, step: int) -> dict[str, Any]:
 def late_and_failing(rank: int) -> None:
     if rank != 1:
         return
-    real_write, real_fsync = _save.write_checkpoint, _fileio.fsync
+    real_write, real_fsync = save.write_checkpoint, _fileio.fsync
     failed: list[str] = []
 
     def write(plan: Any, path: str, *args: Any, **kwargs: Any) -> None:
@@ -56,7 +56,7 @@ def late_and_failing(rank: int) -> None:
             raise OSError(errno.EIO, f"Input/output error (injected: {what})", path)
         real_fsync(fd, path, what)
 
-    _async.write_checkpoint = write  # type: ignore[attr-defined,assignment]
+    save_async.write_checkpoint = write  # type: ignore[attr-defined,assignment]
     _fileio.fsync = fsync
 
 

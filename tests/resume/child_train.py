@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 import torch
-from trainutil import EXAMPLES, detached
+
+from tests.resume.trainutil import EXAMPLES, detached
 
 sys.path.insert(0, str(EXAMPLES))
 import train_gpt  # type: ignore[import-not-found]

@@ -6,7 +6,6 @@ Kept free of pytest so that the child scripts beside it can import it too.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -33,16 +34,6 @@ def slow_chunks(seconds: float) -> None:
         real(self, chunk, buf)
 
     WriteEngine._write = slowed  # type: ignore[method-assign]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child: this one, with the package's source first on the path."""
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(HERE), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    env.setdefault("OMP_NUM_THREADS", "1")  # small models: threads only contend on a small CI machine
-    env.update(extra)
-    return env
 
 
 def run_child(script: str, *args: str, timeout: float = 120, check: bool = True,

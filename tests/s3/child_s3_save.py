@@ -12,10 +12,10 @@ import threading
 from typing import Any
 
 import torch
-from child_memory import Peak
 
 import ckptstream
 from ckptstream._storage import s3client, storage_for
+from ckptstream.bench.measure import PeakRss
 
 MiB = 1 << 20
 
@@ -42,6 +42,6 @@ if __name__ == "__main__":
     else:
         s = state(int(sys.argv[3]))
         storage_for(url).check_target(url)  # the client made and the bucket looked at before the measure
-        with ckptstream.settings(buffer_size=16 * MiB, num_buffers=8, io_threads=8), Peak() as peak:
+        with ckptstream.settings(buffer_size=16 * MiB, num_buffers=8, io_threads=8), PeakRss() as peak:
             ckptstream.save(s, url)
-        print(json.dumps({"growth": peak.peak - peak.base, "staging": ckptstream.staging_bytes()}))
+        print(json.dumps({"growth": peak.growth, "staging": ckptstream.staging_bytes()}))

@@ -11,11 +11,11 @@ import sys
 import threading
 
 import torch
-from child_memory import Peak
 
 from ckptstream import _checksum
 from ckptstream._settings import DirectIO
 from ckptstream._storage.s3 import S3Storage
+from ckptstream.bench.measure import PeakRss
 
 MiB = 1 << 20
 PART, THREADS, HEADER = 16 * MiB, 8, 8192
@@ -46,7 +46,7 @@ if __name__ == "__main__":
             crcs[lo] = (_checksum.crc_of(view), hi - lo)
             sink.write_at(view, lo)
 
-    with Peak() as peak:
+    with PeakRss() as peak:
         sink.write_at(memoryview(bytes(HEADER)), 0)
         sink.grid(PART, DirectIO.AUTO)
         threads = [threading.Thread(target=run, args=(b,)) for b in buffers]
@@ -59,5 +59,5 @@ if __name__ == "__main__":
     crc = _checksum.crc_of(header)
     for lo in sorted(crcs):
         crc = _checksum.combine(crc, *crcs[lo])
-    print(json.dumps({"growth": peak.peak - peak.base, "staging": THREADS * PART, "crc": crc,
+    print(json.dumps({"growth": peak.growth, "staging": THREADS * PART, "crc": crc,
                       "chunks": len(crcs)}))

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3server import S3Server, require_rclone, shared_server
 
 from ckptstream._storage import s3client
+from tests.s3.s3server import S3Server, require_rclone, shared_server
 
 # the AWS configuration a test must not inherit from the machine it runs on
 _FOREIGN = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",

@@ -1,5 +1,5 @@
-"""``ckptstream bench --dir s3://...`` against the real server: the raw client's upload and
-download beside save and load, a JSON of the figures, nothing left in the bucket."""
+"""``ckptstream bench --dir s3://...`` against the real server: the raw client's uploads and
+downloads beside save, load and load_into, a JSON of the figures, nothing left in the bucket."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from s3util import Bucket, s3, s3_server  # noqa: F401
+from ckptstream.bench.objectstore import ROWS
+from tests.s3.s3util import Bucket, s3, s3_server  # noqa: F401
 
 
 def test_bench_on_an_object_store(s3: Bucket, tmp_path: Path) -> None:
@@ -20,9 +21,10 @@ def test_bench_on_an_object_store(s3: Bucket, tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     figures = json.loads(out.read_text())
-    assert set(figures["median_gbps"]) == {"upload (raw client)", "save", "download (raw client)", "load"}
+    assert set(figures["median_gbps"]) == set(ROWS)
     assert all(v > 0 for v in figures["median_gbps"].values())
-    assert set(figures["ratio"]) == {"save", "load"}
-    assert "save / raw upload" in run.stdout
+    assert all(len(v) == figures["runs"] for v in figures["cpu_s"].values())
+    assert set(figures["ratio"]) == set(figures["paired_ratio"]) == {"save", "load", "load_into"}
+    assert "save / upload (raw client)" in run.stdout
     assert s3.keys() == ["runs/keep"]  # its own prefix removed, nothing else touched
     assert s3.uploads() == []

@@ -1,11 +1,12 @@
 """The checkpoint API on s3:// URLs against a real S3 server: save / load / open / load_into /
 save_async round trips (CPU, and CUDA on a GPU machine), ranged reads only, a save killed
-mid-upload, the memory of a 256 MiB save, DCP, and errors surfacing through the API."""
+mid-upload, the memory of a 256 MiB save, the manager's DONE made last and its pruning by
+prefix, a corrupted object caught by its CRC-32C, DCP, and errors surfacing through the API."""
 
 from __future__ import annotations
 
+import collections
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,20 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from s3util import Bucket, MiB, s3, s3_server  # noqa: F401
 
 import ckptstream
-from ckptstream._header import DTYPE_NAMES
+from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._storage import s3client
-from helpers import EDGE_CASES, assert_same_state, random_tensor
+from tests.helpers import EDGE_CASES, assert_same_state, child_env, random_tensor
+from tests.s3.s3util import Bucket, MiB, s3, s3_server  # noqa: F401
 
 HERE = Path(__file__).parent
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child process: this one's (the server's variables), and the tests' modules."""
-    paths = ["src", str(HERE), str(HERE.parent), str(HERE.parent / "reliability")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def nested_state(device: torch.device | str) -> dict[str, object]:
@@ -67,24 +62,46 @@ def test_open_reads_only_the_bytes_asked_for(s3: Bucket) -> None:
     assert asked < 2 * MiB  # the header, c, and 100 floats of b: not the 16 MiB of a and b
 
 
-def test_load_into(s3: Bucket) -> None:
-    state: dict[str, Any] = {"w": random_tensor((300, 700)), "v": random_tensor(5, torch.bfloat16), "step": 3}
+def test_the_requests_of_a_save_and_a_load(s3: Bucket) -> None:
+    """What docs/object-stores.md says a save and a load cost: a save of B bytes one LIST (the
+    key is not a folder), one listing of the key's uploads, then the upload (ceil((B - E) / S) + 1
+    parts); a load one GET that opens the object and brings its header, then one per chunk."""
+    sent: collections.Counter[str] = collections.Counter()
+    s3client.client().meta.events.register("before-send.s3",
+                                           lambda event_name, **kw: sent.update([event_name.rsplit(".", 1)[1]]))
+    url = s3.url("k.safetensors")
+    with ckptstream.settings(buffer_size=5 * MiB):  # S = E = 5 MiB
+        ckptstream.save({"w": random_tensor((3 * MiB,)), "b": random_tensor(7)}, url)  # B: 12 MiB + 28 + header
+        assert sent == {"ListObjectsV2": 1, "ListMultipartUploads": 1, "CreateMultipartUpload": 1,
+                        "UploadPart": -(-(len(s3.get("k.safetensors")) - 5 * MiB) // (5 * MiB)) + 1,
+                        "CompleteMultipartUpload": 1}
+        sent.clear()
+        ckptstream.load(url)
+        assert sent == {"GetObject": 1 + 3}  # the data: 12 MiB + 28 bytes in chunks of 5 MiB
+
+
+def test_load_into(s3: Bucket, device: torch.device) -> None:
+    state: dict[str, Any] = {"w": random_tensor((300, 700), device=device),
+                             "v": random_tensor(5, torch.bfloat16, device=device), "step": 3}
     url = s3.url("k.safetensors")
     ckptstream.save(state, url)
-    into: dict[str, Any] = {"w": torch.full((300, 700), float("nan")), "v": torch.zeros(5, dtype=torch.bfloat16),
-                            "step": 0}
+    into: dict[str, Any] = {"w": torch.full((300, 700), float("nan"), device=device),
+                            "v": torch.zeros(5, dtype=torch.bfloat16, device=device), "step": 0}
     ckptstream.load_into(into, url)
     assert torch.equal(into["w"], state["w"])
     assert torch.equal(into["v"], state["v"])
+    assert into["w"].device == device
 
 
-def test_save_async(s3: Bucket) -> None:
-    state = {"w": random_tensor((2 * MiB,))}
+def test_save_async(s3: Bucket, device: torch.device) -> None:
+    state = {"w": random_tensor((2 * MiB,), device=device)}
     expected = state["w"].clone()
     handle = ckptstream.save_async(state, s3.url("k.safetensors"), mode="device")
     handle.result()
     state["w"].zero_()  # the save holds its own copy once done
-    assert torch.equal(ckptstream.load(s3.url("k.safetensors"))["w"], expected)
+    back = ckptstream.load(s3.url("k.safetensors"), device=device)["w"]
+    assert back.device == device
+    assert torch.equal(back, expected)
 
 
 def test_a_save_killed_mid_upload_leaves_the_old_object(s3: Bucket) -> None:
@@ -140,6 +157,66 @@ def test_a_checkpoint_manager_on_s3(s3: Bucket) -> None:
         assert ckpts.steps() == [3]
     assert sorted(s3.keys()) == ["run/ckpts/step-000000000003/DONE", "run/ckpts/step-000000000003/state.safetensors"]
     assert s3.uploads() == []
+
+
+def objects_made() -> list[str]:
+    """The keys of the objects the library's client makes visible from now on (each PUT and each
+    completed multipart upload, once answered), in the order the answers came."""
+    made: list[str] = []
+    events = s3client.client().meta.events
+
+    def remember(params: dict[str, Any], context: dict[str, Any], **kw: Any) -> None:
+        context["test_key"] = params.get("Key")
+
+    def answered(http_response: Any, context: dict[str, Any], **kw: Any) -> None:
+        if http_response.status_code == 200:
+            made.append(context["test_key"])
+
+    for op in ("PutObject", "CompleteMultipartUpload"):
+        events.register(f"before-parameter-build.s3.{op}", remember)
+        events.register(f"after-call.s3.{op}", answered)
+    return made
+
+
+def test_the_managers_done_is_made_last_and_pruning_goes_by_prefix(s3: Bucket) -> None:
+    """Each step's DONE becomes visible only after its state object is complete; pruning a step
+    removes every object under its prefix, and nothing of a neighbour whose name it begins."""
+    directory = s3.url("run/ckpts")
+    s3.put("run/ckpts/step-0000000000011/keep", b"a neighbour's: not a step (13 digits)")
+    s3.put("run/ckpts/notes.txt", b"the user's")
+    made = objects_made()
+    with ckptstream.settings(buffer_size=5 * MiB), ckptstream.CheckpointManager(directory, keep=1) as ckpts:
+        for step in (1, 2):
+            ckpts.save({"w": random_tensor((3 * MiB,)), "b": random_tensor(10), "step": step}, step, blocking=True)
+    steps = [f"run/ckpts/step-00000000000{s}/" for s in (1, 2)]
+    assert made == [steps[0] + "state.safetensors", steps[0] + "DONE", steps[1] + "state.safetensors",
+                    steps[1] + "DONE"]
+    assert s3.keys() == ["run/ckpts/notes.txt", "run/ckpts/step-0000000000011/keep", steps[1] + "DONE",
+                         steps[1] + "state.safetensors"]
+    assert s3.uploads() == []
+
+
+def test_a_corrupted_object_fails_its_load_naming_the_url(s3: Bucket) -> None:
+    """A byte changed in the store (after the save's own checks) is caught by the header's
+    CRC-32C: load, load_into and a reader's read fail with CorruptCheckpointError naming the URL."""
+    state = {"a": random_tensor(1000), "z": random_tensor((2 * MiB,))}
+    url = s3.url("run/k.safetensors")
+    ckptstream.save(state, url)
+    data = bytearray(s3.get("run/k.safetensors"))
+    data[-5] ^= 0x10  # in z's data: the object's last tensor
+    s3.put("run/k.safetensors", bytes(data))
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"s3://.*/run/k\.safetensors"):
+        ckptstream.load(url)
+    into = {"a": torch.zeros(1000), "z": torch.zeros(2 * MiB)}
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"s3://.*/run/k\.safetensors"):
+        ckptstream.load_into(into, url)
+    with ckptstream.open(url) as reader:
+        assert torch.equal(reader.read("a"), state["a"])  # the others are intact
+        with pytest.raises(ckptstream.CorruptCheckpointError, match=r"s3://.*/run/k\.safetensors.*'z'"):
+            reader.read("z")
+    s3.put("run/k.safetensors", bytes(data[:-100]))  # cut short
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"s3://.*/run/k\.safetensors.*truncated"):
+        ckptstream.load(url)
 
 
 def test_dcp_on_s3(s3: Bucket) -> None:

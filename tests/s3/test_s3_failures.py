@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultproxy import FaultProxy
-from s3server import S3Server, require_rclone
-from s3util import Bucket, MiB, raw_client, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
 
 import ckptstream
 from ckptstream._storage import s3 as s3_storage
 from ckptstream._storage import s3client, s3journal
 from ckptstream._storage.s3 import S3Storage
+from tests.helpers import child_env
+from tests.s3.faultproxy import FaultProxy
+from tests.s3.s3server import S3Server, require_rclone
+from tests.s3.s3util import Bucket, MiB, raw_client, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
 
 STORE = S3Storage()
 HERE = Path(__file__).parent
@@ -170,7 +171,7 @@ def test_a_read_whose_connection_breaks_asks_again_for_the_rest(s3: Bucket, monk
 def test_killed_writer_leaves_nothing_and_the_next_save_aborts_its_upload(s3: Bucket) -> None:
     old = os.urandom(1000)
     s3.put("a/ckpt", old)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", str(HERE)])}
+    env = child_env()
     with subprocess.Popen([sys.executable, str(HERE / "child_upload.py"), s3.url("a/ckpt")], env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
         try:

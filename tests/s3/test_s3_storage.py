@@ -10,16 +10,18 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import crc32c
 import pytest
-from s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
 import ckptstream
 from ckptstream._settings import DirectIO
 from ckptstream._storage import s3client
-from ckptstream._storage.s3 import S3Storage, _reader
+from ckptstream._storage.s3 import FIRST, S3Storage, _reader
 from ckptstream._storage.s3upload import MIN_PART, crc32c_b64
+from tests.helpers import child_env
+from tests.s3.s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
 
 STORE = S3Storage()
 
@@ -146,6 +148,48 @@ def test_ranged_reads(s3: Bucket) -> None:
         assert b"".join(bytes(v) for v in views) == data[99 : 99 + 7 + MiB + 5]
 
 
+def requests_sent() -> list[str]:
+    """Each request the library's client sends from now on: its operation, and its Range if any."""
+    sent: list[str] = []
+
+    def note(request: Any, event_name: str, **kw: Any) -> None:
+        sent.append(" ".join([event_name.rsplit(".", 1)[1], *([request.headers["Range"].decode()]
+                                                              if "Range" in request.headers else [])]))
+
+    s3client.client().meta.events.register("before-send.s3", note)
+    return sent
+
+
+@pytest.mark.parametrize("size", [0, 4096, FIRST - 1, FIRST, FIRST + 1, 3 * MiB])
+def test_opening_is_one_get_that_serves_the_first_reads(s3: Bucket, size: int) -> None:
+    """Opening asks for the first MiB (size and ETag come with it); reads within it need no
+    request of their own, reads past it one ranged GET each; an empty object is looked at with
+    a HEAD (it has no byte range)."""
+    data = random_data(size)
+    s3.put("r", data)
+    sent = requests_sent()
+    with STORE.open(s3.url("r")) as source:
+        assert source.size() == size
+        assert sent == ([f"GetObject bytes=0-{FIRST - 1}", "HeadObject"] if size == 0 else
+                        [f"GetObject bytes=0-{FIRST - 1}"])
+        sent.clear()
+        if size == 0:
+            assert source.read_into(memoryview(bytearray(8)), 0) == 0
+            assert sent == []
+            return
+        head = bytearray(b"\xab" * 8)  # as a reader reads: the header's length, then the header
+        assert source.read_into(memoryview(head), 0) == 8
+        rest = [memoryview(bytearray(b"\xab" * n)) for n in (3, min(size, FIRST) - 11)]
+        assert source.readv_into(rest, 8) == min(size, FIRST) - 8
+        assert bytes(head) + b"".join(bytes(v) for v in rest) == data[:FIRST]
+        assert sent == []  # the first MiB came with the opening
+        if size > FIRST:
+            out = bytearray(size - 100)
+            assert source.read_into(memoryview(out), 100) == size - 100  # the kept bytes are gone: asked again
+            assert bytes(out) == data[100:]
+            assert sent == [f"GetObject bytes=100-{size - 1}"]
+
+
 def test_bodies_are_read_in_place(s3: Bucket) -> None:
     """A GET's body goes straight into the buffer (http.client's readinto), not through a bytes
     object: with the client libraries of this environment the fast path is the one taken."""
@@ -256,7 +300,7 @@ def test_memory_of_a_256_mib_upload_is_the_head_and_a_small_bound(s3: Bucket) ->
     buffers grows the writer's RSS by the held-back head and a few MiB of client state, not by
     a copy of any part (one copy per part in flight would be +128 MiB)."""
     here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.path.join(here, "..", "reliability")])}
+    env = child_env()
     out = subprocess.run([sys.executable, os.path.join(here, "child_sink_memory.py"), s3.url("big"), "256"],
                          env=env, capture_output=True, text=True, check=True).stdout
     figures = json.loads(out)

@@ -24,8 +24,8 @@ from .._settings import Settings
 from .._storage import Target
 from . import control, streams
 from .buffers import POOL, StagingBuffer
-from .layout import flat_bytes, host_bytes
 from .plan import Chunk, Part, Piece, check_pieces, plan
+from .tensor_bytes import flat_bytes, host_bytes
 
 Progress = Callable[[int], None]
 PartCrcs = list[tuple[int, int, int]]  # (piece, CRC-32C, length) of one chunk's parts, in order
@@ -69,7 +69,7 @@ class Engine(Generic[T]):
         memoryview (``host``: copies and checksums without torch calls, which cost more than
         small tensors' bytes); a device tensor's a flat uint8 view (``flat``: one device copy
         per part), with the device whose copies a staging buffer waits for (``device``); a
-        non-contiguous tensor's go through ``layout`` (neither)."""
+        non-contiguous tensor's go through ``tensor_bytes`` (neither)."""
         n = len(pieces)
         self.host: list[memoryview | None] = [None] * n
         self.flat: list[torch.Tensor | None] = [None] * n

@@ -5,7 +5,7 @@ then read by the device copy. Checksumming the staging buffer on the host reads 
 however fast the CRC code. The GPU reads device memory far faster and idles during a load, so a
 load into CUDA tensors checksums the large contiguous ones there, once all copies are queued:
 one launch per device for all of them, on the copies' stream. A whole load of many small tensors
-(runs of them in one allocation, see ``_blocks``) checksums each tensor there too, with a second
+(runs of them in one allocation, see ``_checkpoint.blocks``) checksums each tensor there too, with a second
 instance of the kernel whose blocks are one warp and 1 KiB, so that 20,000 tensors cost one
 launch and a few vectorised steps instead of a host call each. Everything stays on the host where the
 kernel cannot be built or its self-test fails.

@@ -29,8 +29,8 @@ from .._storage import Source, round_down, round_up
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
-from .layout import copy_in
 from .plan import Chunk, Part, Piece
+from .tensor_bytes import copy_in
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -16,8 +16,8 @@ from .. import _checksum
 from .._storage import Sink
 from .buffers import StagingBuffer
 from .engine import BATCH, Engine
-from .layout import copy_out
 from .plan import Chunk, Part
+from .tensor_bytes import copy_out
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

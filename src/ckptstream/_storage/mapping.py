@@ -1,4 +1,4 @@
-"""A private mapping of a local file's bytes, for ``load(..., mmap=True)`` (see ``_mapped``).
+"""A private mapping of a local file's bytes, for ``load(..., mmap=True)`` (see ``_checkpoint.mapped``).
 
 The mapping is made with libc's ``mmap`` (not Python's ``mmap`` module, which keeps a duplicate
 of the file descriptor open for as long as the mapping lives, before Python 3.13): the mapping

@@ -26,20 +26,54 @@ from .s3upload import MultipartSink
 # an upload untouched for this long is aborted by the next writer of its key, whoever started it
 # (a live writer uploads a part at least every few minutes); as local temps
 STALE_AFTER = datetime.timedelta(hours=24)
+# bytes of an object fetched when it is opened, with its size and ETag: as many as a reader's
+# first read (the header of most checkpoints), so that it needs no request of its own
+FIRST = 1 << 20
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
 
 
 class S3Source(Source):
-    """An object opened for reading: its size and ETag are taken once (one HEAD), and every
-    read asks for that version (If-Match), so an object replaced meanwhile fails the read
-    instead of mixing two versions."""
+    """An object opened for reading. Opening is one ranged GET of the object's first bytes,
+    which also gives its size and ETag: a reader's first read (the header) is then served from
+    them, without a request of its own. Every later read asks for that version (If-Match), so an
+    object replaced meanwhile fails the read instead of mixing two versions."""
 
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
         self._client = s3client.client()
-        head = _head(self._client, url, "opening the object")
-        self._size: int = head["ContentLength"]
-        self._etag: str | None = head.get("ETag") or None
+        self._first = b""  # the object's first bytes, until a read has used them up
+        self._size, self._etag = self._open()
+
+    def _open(self) -> tuple[int, str | None]:
+        """The size and ETag, keeping the first bytes where they come whole; an empty object
+        (which has no byte range to ask for) is looked at with a HEAD instead."""
+        what = "opening the object"
+        try:
+            response = self._client.get_object(Bucket=self.url.bucket, Key=self.url.key, Range=f"bytes=0-{FIRST - 1}")
+        except Exception as e:
+            typed = s3client.error(e, self.url, what)
+            if getattr(typed, "code", None) in ("InvalidRange", "416"):
+                head = _head(self._client, self.url, what)
+                return int(head["ContentLength"]), head.get("ETag") or None
+            raise typed from e  # (a GET, unlike a HEAD, says NoSuchBucket where the bucket is missing)
+        length = int(response["ContentLength"])
+        whole = response.get("ContentRange", "").rpartition("/")[2]
+        size = int(whole) if whole.isdigit() else length  # no range: the server sent the whole object
+        body = response["Body"]
+        readinto, done = _reader(body)
+        # more than asked for: a server that ignores ranges (the reads will say so); take nothing
+        first, got = bytearray(length if length <= FIRST else 0), 0
+        try:
+            view = memoryview(first)
+            while got < len(first) and (n := readinto(view[got:])):
+                got += n
+        except Exception:
+            pass  # a body broken midway: the reads ask again
+        finally:
+            done(got == length)
+        if got == length <= FIRST:
+            self._first = bytes(first)
+        return size, response.get("ETag") or None
 
     def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
         if direct_io is DirectIO.ON:
@@ -54,7 +88,7 @@ class S3Source(Source):
 
     def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
         """One ranged GET for all of ``views``' bytes (those the object has), streamed into them
-        in turn."""
+        in turn; bytes within those kept from the opening are copied from them instead."""
         want = min(sum(len(v) for v in views), max(0, self._size - offset))
         if want <= 0:
             return 0
@@ -65,6 +99,15 @@ class S3Source(Source):
             if len(view):
                 targets.append(view[:left])
                 left -= len(targets[-1])
+        first = self._first
+        if offset + want <= len(first):
+            at = offset
+            for view in targets:
+                view[:] = first[at : at + len(view)]
+                at += len(view)
+            if offset + want == len(first):
+                self._first = b""  # read to their end (a reader's header): not needed again
+            return want
         self._get(targets, offset, want)
         return want
 
@@ -112,7 +155,7 @@ class S3Source(Source):
                                                    f"the body streamed ({cause})") from cause
 
     def close(self) -> None:
-        pass
+        self._first = b""
 
 
 class S3Storage(Storage):
@@ -138,10 +181,10 @@ class S3Storage(Storage):
         return MultipartSink(url)
 
     def check_target(self, path: str) -> str:
-        """The URL, once its bucket answers and its key is not a folder (a prefix objects lie
-        under, as the manager's step folders are): one HEAD and one LIST."""
+        """The URL, once its key is not a folder (a prefix objects lie under, as the manager's
+        step folders are): one LIST, whose answer also says where the bucket is missing or the
+        credentials are refused."""
         url = self._object(path)
-        check_bucket(s3client.client(), url)
         if self._has_children(url):
             raise IsADirectoryError(errno.EISDIR, "is a folder (a prefix of objects); give the URL of an object in it",
                                     path)
@@ -234,11 +277,14 @@ class S3Storage(Storage):
         try:
             url = self._object(path)
             client = s3client.client()
+            uploads = list(self._uploads(url, exact=True))
+            # this process's uploads in flight are asked for once the journal is read (see
+            # dead_writers): one begun meanwhile is either live by then or not yet noted as dead
+            dead = s3journal.dead_writers(url.bucket, url.key, MultipartSink.live_uploads)
             live = MultipartSink.live_uploads()
-            dead = s3journal.dead_writers(url.bucket, url.key, live)
             now = datetime.datetime.now(datetime.timezone.utc)
             removed = []
-            for upload in self._uploads(url, exact=True):
+            for upload in uploads:
                 upload_id = upload["UploadId"]
                 if upload_id in live:
                     continue

@@ -85,7 +85,7 @@ def _make_client() -> Any:
     retries: dict[str, Any] = {"mode": core.get_config_variable("retry_mode") or "standard"}
     if core.get_config_variable("max_attempts") is None:
         retries["max_attempts"] = DEFAULT_ATTEMPTS
-    config = Config(
+    options: dict[str, Any] = dict(
         max_pool_connections=POOL_CONNECTIONS,
         retries=retries,
         # a checksum is sent where ckptstream gives one (CRC-32C per part), not computed again;
@@ -95,7 +95,20 @@ def _make_client() -> Any:
         response_checksum_validation="when_required",
     )
     # AWS_REGION is the SDKs' common name; botocore itself reads AWS_DEFAULT_REGION and profiles
-    return session.client("s3", region_name=os.environ.get("AWS_REGION") or None, config=config)
+    region = os.environ.get("AWS_REGION") or None
+    made = session.client("s3", region_name=region, config=Config(**options))
+    chosen = core.get_config_variable("s3") or {}  # a profile's s3 settings: its choice stands
+    if "payload_signing_enabled" not in chosen and not signs_payloads(str(made.meta.endpoint_url)):
+        made = session.client("s3", region_name=region, config=Config(**options, s3={"payload_signing_enabled": False}))
+    return made
+
+
+def signs_payloads(endpoint: str) -> bool:
+    """Whether request bodies are signed (hashed with SHA-256 into the signature): over plain
+    HTTP, where nothing else protects them in transit. Over TLS they are not, as botocore does
+    for the checksums it computes itself (TLS and a checksum are its rule): botocore would hash
+    every part once more only because ckptstream, not botocore, computed its CRC-32C."""
+    return not endpoint.lower().startswith("https://")
 
 
 _DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .publish import _process_alive as process_alive
 from .publish import pid_namespace
@@ -68,18 +68,22 @@ def _entries() -> Iterator[dict[str, object]]:
                 yield entry
 
 
-def dead_writers(bucket: str, key: str, live: set[str]) -> set[str]:
+def dead_writers(bucket: str, key: str, live: Callable[[], set[str]]) -> set[str]:
     """The ids of the uploads of ``key`` whose writers were on this host, in this PID namespace,
-    and are certainly gone (uploads in ``live``, this process's own in flight, excepted; this
-    process's others were abandoned)."""
+    and are certainly gone: another process that no longer exists, or this process, where the
+    upload is not among ``live()`` (its own in flight), asked for once the notes are read (an
+    upload is live before its note is written, so a note read names an upload that ``live()``
+    then holds while in flight)."""
     host, ns, me = socket.gethostname(), pid_namespace(), os.getpid()
-    dead = set()
+    mine, dead = set(), set()
     for e in _entries():
         if (e.get("bucket"), e.get("key")) != (bucket, key):
             continue  # (any endpoint's: an id names an upload only in the store that lists it)
         upload, pid = e.get("upload_id"), e.get("pid")
         if not isinstance(upload, str) or not isinstance(pid, int) or e.get("host") != host or e.get("ns") != ns:
             continue
-        if (pid == me and upload not in live) or (pid != me and not process_alive(pid)):
+        if pid == me:
+            mine.add(upload)
+        elif not process_alive(pid):
             dead.add(upload)
-    return dead
+    return dead | (mine - live()) if mine else dead

@@ -36,7 +36,7 @@ __all__ = ["METADATA_NAME", "StoredChunk", "StreamReader", "StreamWriter", "as_s
 
 def __getattr__(name: str) -> Any:
     if name == "Staging":  # the modes' old name here: one enum now, ckptstream.AsyncMode
-        from .._capture import AsyncMode
+        from .._checkpoint.capture import AsyncMode
 
         warnings.warn("ckptstream.dcp.Staging is deprecated: use ckptstream.AsyncMode", DeprecationWarning,
                       stacklevel=2)

@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .. import _header
+from .._checkpoint.save import CheckpointPlan, write_checkpoint
 from .._engine import Mark, check_tensor
 from .._errors import UnsupportedTypeError
-from .._header import TensorInfo
-from .._save import CheckpointPlan, write_checkpoint
+from .._format import header as _header
+from .._format.header import TensorInfo
 from .._settings import Settings
 from .._storage import storage_for
 from ._metadata import StoredChunk
@@ -116,7 +116,7 @@ class RankFile:
                 entries.append((key, torch.uint8, (blob_sizes[i],)))
             else:
                 entries.append((key, item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)))
-        infos = _header.layout(entries)
+        infos = _header.data_offsets(entries)
         sharding = {key: {"saved_offsets": _offsets(item)} for item, key in zip(items, keys, strict=True)}
         metadata = {SHARDING_INFO_KEY: json.dumps(sharding, separators=(",", ":")), **HF_METADATA}
         header = _header.encode(infos, metadata, None, checksums=checksum)

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._engine.layout import host_bytes
+from .._checkpoint.reader import CheckpointReader, TensorEntry
+from .._engine.tensor_bytes import host_bytes
 from .._errors import CorruptCheckpointError
-from .._reader import CheckpointReader, TensorEntry
 from .._settings import LegacyKeywords, Settings, per_call
 from . import _metadata, _pickles
 from ._metadata import StoredChunk

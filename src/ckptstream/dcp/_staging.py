@@ -1,6 +1,6 @@
 """What ``dcp.async_save`` saves while training goes on: the staged state dict.
 
-The tensors are captured by the one capture of background saves (``ckptstream._capture``, as
+The tensors are captured by the one capture of background saves (``ckptstream._checkpoint.capture``, as
 ``save_async`` captures them), in its modes:
 - "device": a snapshot on the tensors' own devices (a GPU tensor is cloned on its GPU, a CPU
   tensor in host memory; a DTensor's clone keeps its mesh and placements). The clones are
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .._capture import AsyncMode, Captured, capture
+from .._checkpoint.capture import AsyncMode, Captured, capture
 
 
 class _Slot(int):

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._capture import AsyncMode, Captured
+from .._checkpoint.capture import AsyncMode, Captured
 from .._engine import Mark, mark
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for

@@ -15,7 +15,8 @@ except ImportError as e:
         "pip install 'ckptstream[lightning]' (or pip install lightning)"
     ) from e
 
-from ._io import StorageOptionsError, StreamCheckpointIO, UnsupportedPathError
+from .._errors import StorageOptionsError, UnsupportedPathError
+from ._io import StreamCheckpointIO
 from ._values import TYPES_KEY
 
 __all__ = ["TYPES_KEY", "StorageOptionsError", "StreamCheckpointIO", "UnsupportedPathError"]

@@ -10,28 +10,21 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from .. import _header
-from .._async import MODES, SaveHandle, save_async
-from .._errors import CkptStreamError, CorruptCheckpointError
-from .._load import load, read_metadata
-from .._save import save
+from .._checkpoint.load import load, read_metadata
+from .._checkpoint.save import save
+from .._checkpoint.save_async import MODES, SaveHandle, save_async
+from .._errors import CorruptCheckpointError, StorageOptionsError, UnsupportedPathError
+from .._format import header
 from .._storage import storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
 
-__all__ = ["StorageOptionsError", "StreamCheckpointIO", "UnsupportedPathError"]
+__all__ = ["StreamCheckpointIO"]
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 _STORAGE_OPTIONS = ("metadata",)
 
 
-class StorageOptionsError(CkptStreamError, TypeError):
-    """``storage_options`` (``Trainer.save_checkpoint(..., storage_options=...)``) or a
-    ``map_location`` that StreamCheckpointIO does not take."""
-
-
-class UnsupportedPathError(CkptStreamError, ValueError):
-    """A checkpoint path on a remote file system (``s3://...``): StreamCheckpointIO writes local files."""
 
 
 class StreamCheckpointIO(CheckpointIO):
@@ -254,7 +247,7 @@ def _checked_metadata(metadata: Any, where: str) -> dict[str, str]:
         return {}
     if not isinstance(metadata, Mapping):
         raise ValueError(f"{where}: metadata must be a mapping of str to str, got {type(metadata).__name__}")
-    checked = dict(_header.check_user_metadata(metadata))
+    checked = dict(header.check_user_metadata(metadata))
     if TYPES_KEY in checked:
         raise ValueError(f"{where}: the metadata key {TYPES_KEY!r} is reserved (it records the value types of a "
                          "Lightning checkpoint): use another key")

@@ -28,7 +28,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._async import SaveHandle
+from .._checkpoint.save_async import SaveHandle
 
 __all__ = ["StagingGuard"]
 

@@ -35,7 +35,7 @@ from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
 from lightning.pytorch.utilities.parsing import AttributeDict
 
 from .._errors import CorruptCheckpointError, UnsupportedTypeError
-from .._structure import MAX_DEPTH, KeyPath
+from .._format.structure import MAX_DEPTH, KeyPath
 from . import _pickled
 
 __all__ = ["TYPES_KEY", "TypeTable", "key_path", "restore", "to_plain"]

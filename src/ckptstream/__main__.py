@@ -1,0 +1,7 @@
+"""``python -m ckptstream``: the ``ckptstream`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""Loading: ``open`` (the lazy reader), ``load``, ``verify`` and ``read_metadata``, thin users of
+``CheckpointReader``."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from .. import _gc
+from .._engine import gpucrc
+from .._settings import LegacyKeywords, Settings, current_settings, legacy_overrides, per_call
+from . import mapped
+from .reader import CheckpointReader, Device, as_device
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
+         **legacy: Unpack[LegacyKeywords]) -> CheckpointReader:
+    """Open a checkpoint (ckptstream's or any safetensors file) for lazy, typed reads.
+
+    The header is read and validated now (tensor table, structure, checksums); tensor data only
+    when asked, and only the bytes asked for. Use it as a context manager (or ``close()`` it).
+
+    Args:
+        path: the checkpoint file.
+        settings: the ``Settings`` of this reader's reads (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+
+    Returns:
+        A CheckpointReader: ``keys()`` (every tensor's key path, e.g. "optim.state.0.exp_avg"),
+        ``entry(key)`` (dtype, shape, nbytes, checksum, file range), ``leaves`` (non-tensor
+        values such as the step), ``metadata``, ``read(key, device=...)``,
+        ``read_into(key, tensor)``, ``get_slice(key)[...]`` (a box), ``read_slices(...)``.
+
+    Raises:
+        CorruptCheckpointError: the header or structure is malformed (named).
+        OSError: the file cannot be opened.
+
+    Example:
+        >>> with ckptstream.open("ckpt.safetensors") as ckpt:
+        ...     step = ckpt.leaves["step"]
+        ...     wte = ckpt.read("model.wte.weight", device="cuda")
+        ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
+    """
+    return CheckpointReader(path, per_call("open", settings, legacy))
+
+
+def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
+    """``checksum``, or the value of 0.1.0's name for it, ``verify``, with a DeprecationWarning."""
+    if verify is None:
+        return checksum
+    warnings.warn(f"{where}(verify=...) is deprecated: use checksum=...", DeprecationWarning, stacklevel=3)
+    return verify
+
+
+def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
+         mmap: bool | None = None, verify: bool | None = None, settings: Settings | None = None,
+         **legacy: Unpack[LegacyKeywords]) -> Any:
+    """Load a state saved by ``save`` (or any safetensors file, as a flat dict).
+
+    Args:
+        path: the checkpoint file.
+        device: where every tensor lands ("cpu", "cuda", "cuda:1", a torch.device).
+        checksum: compare every tensor with its stored CRC-32C (``verify`` in 0.1.0).
+        progress: show a progress bar on stderr.
+        mmap: whether CPU tensors are backed by a private, copy-on-write mapping of the file
+            instead of new memory. None (the default): mapped where ``device`` is "cpu" and
+            the storage can map the file (a local file), copied otherwise; True: mapped, or
+            an error (CPU only); False: always copied into new memory (the tensors then owe
+            nothing to the file). A mapped load reads nothing up front except to verify
+            checksums: ``checksum=True`` reads every byte once before ``load`` returns, on up
+            to ``max(io_threads, hot_io_threads)`` threads, at most one per core. The tensors
+            read the file lazily as they are used: the file must not be modified in place or
+            truncated while they live (truncation by another program can kill the process
+            with SIGBUS; ckptstream's own saves replace files by rename, which is safe).
+            Writes to the tensors stay private to this process and never reach the file.
+            Tensors whose file offset is not a multiple of their element size (possible in
+            files of other writers) are copied instead. No file descriptor stays open.
+        settings: the ``Settings`` of this call (a complete value); None: those in force. The
+            per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords
+            are deprecated in its favour.
+
+    Returns:
+        The state with its container types, key order, key types and leaves; tensors that
+        shared storage when saved share it again.
+
+    Raises:
+        CorruptCheckpointError: the file is malformed, truncated or fails a checksum (named).
+        ValueError: ``mmap=True`` with a device other than "cpu".
+
+    Example:
+        >>> state = ckptstream.load("ckpt.safetensors", device="cuda")
+        >>> weights = ckptstream.load("model.safetensors")                # CPU, mapped
+        >>> owned = ckptstream.load("model.safetensors", mmap=False)     # CPU, copied
+    """
+    checksum = checksum_argument(checksum, verify, "load")
+    cfg = per_call("load", settings, legacy)
+    if mmap:  # before the file is opened
+        mapped.check_device(as_device(device))
+    # the collector paused throughout: a load of many tensors allocates a few objects per tensor
+    # (none in cycles), and a collection between its phases would scan them all again
+    gpu = as_device(device) if checksum and not mmap else None
+    with _gc.paused(), gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
+        return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
+
+
+def verify(path: str | os.PathLike[str], *, progress: bool = False, settings: Settings | None = None,
+           **legacy: Unpack[LegacyKeywords]) -> None:
+    """Check a checkpoint without loading it: header, structure, length, and every checksum.
+
+    Args:
+        path: the checkpoint file.
+        progress: show a progress bar on stderr.
+        settings: the ``Settings`` of the reads (a complete value); None: those in force.
+
+    Raises:
+        CorruptCheckpointError: naming what is wrong (and which tensor, for a checksum).
+    """
+    with CheckpointReader(path, per_call("verify", settings, legacy)) as reader:
+        reader.verify(progress=progress)
+
+
+def read_metadata(path: str | os.PathLike[str], **legacy: Unpack[LegacyKeywords]) -> dict[str, str]:
+    """The user's metadata of a checkpoint (without ckptstream's own keys); only the header is
+    read. (The ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords it
+    accepted changed nothing: they are deprecated.)"""
+    legacy_overrides("read_metadata", legacy)
+    with CheckpointReader(path, current_settings()) as reader:
+        return reader.metadata

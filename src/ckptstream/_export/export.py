@@ -1,0 +1,211 @@
+"""``ckptstream.export_hf``: a checkpoint to a Hugging Face model
+folder (``model.safetensors``, or shards and ``model.safetensors.index.json``, as
+``save_pretrained`` writes them), streamed through the staging buffers.
+
+The folder: every file is written to a temp beside its name first (nothing in OUT changes while
+the tensors stream, so an export that fails leaves an earlier export there as it was); then the
+weights' names of an earlier export (``model.safetensors``, the index, ``model-*-of-*`` shards)
+are removed, ``config.json`` is copied in, the new files are renamed into place, and the weights'
+last name (the index, or the single ``model.safetensors``) is published last. An export stopped
+at any point leaves no folder that transformers takes as complete. Other files in OUT (a
+tokenizer, a README) stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import _gc
+from .._engine.control import interrupts_deferred, raise_if_interrupted
+from .._errors import ExportError
+from .._format import header as _header
+from .._progress import progress_bar
+from .._settings import LegacyKeywords, Settings, per_call
+from .._storage import Sink, Storage, scheme_of, storage_for
+from .copy import Copier
+from .plan import (
+    CONFIG,
+    DEFAULT_MAX_SHARD_SIZE,
+    HF_METADATA,
+    INDEX,
+    SAFE_WEIGHTS,
+    SHARD,
+    OutTensor,
+    index_json,
+    parse_dtype,
+    parse_size,
+    shard_names,
+    split,
+)
+from .sources import find
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+MAX_CONFIG = 16 << 20  # a model's config.json is a few KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class HFExport:
+    """What ``export_hf`` wrote: ``files`` in OUT (the weights' last name last), the tensors'
+    count and bytes, the names left out as tied to another (name -> the name stored), and what
+    the source was taken as."""
+
+    folder: str
+    files: list[str]
+    tensors: int
+    total_size: int
+    tied: dict[str, str]
+    source: str
+
+
+def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefix: str | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: str | torch.dtype | None = None,
+              config: str | os.PathLike[str] | None = None, progress: bool = False, settings: Settings | None = None,
+              **legacy: Unpack[LegacyKeywords]) -> HFExport:
+    """Export a checkpoint's model tensors to a Hugging Face model folder that
+    ``from_pretrained`` loads, streaming them through ckptstream's staging buffers (host memory
+    stays at the staging buffers, whatever the model's size).
+
+    Args:
+        src: a ckptstream (or safetensors) file; a CheckpointManager directory (its newest
+            complete step) or step folder; a DCP checkpoint's folder, written by
+            ``ckptstream.dcp.StreamWriter`` or DCP's ``FileSystemWriter`` (DTensors of any
+            placement are put back together from their chunks).
+        out: the folder to write (created if missing).
+        prefix: export only the tensors whose names start with it, without it (``"model."``
+            for a state ``{"model": model.state_dict(), "optim": ...}``); None: all.
+        max_shard_size: bytes per shard, as an int or "5GB", "500MB", "2GiB"; one shard is
+            ``model.safetensors``, more are ``model-00001-of-0000N.safetensors`` and
+            ``model.safetensors.index.json`` (cut as ``save_pretrained`` cuts them).
+        dtype: "bf16", "fp16" or "fp32": floating-point tensors are cast (as torch's ``.to``
+            does); integer, bool and complex tensors are written as stored. None keeps all.
+        config: a ``config.json`` to copy into ``out``.
+        progress: show a progress bar on stderr.
+        settings: the ``Settings`` of this call (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+
+    Tensors that the source stores as one (tied weights: ``lm_head.weight`` and
+    ``wte.weight``) are written once, under the name that comes first in the state, as
+    transformers writes them; ``from_pretrained`` ties them again. Every shard holds the
+    CRC-32C of each tensor (``ckptstream verify`` checks them), and the source's stored
+    checksums are checked as its bytes are read.
+
+    Returns:
+        An ``HFExport``: the files written, the tensors' count and bytes, the tied names.
+
+    Raises:
+        ExportError: nothing under ``prefix``, an unknown dtype or size, OUT is a file or holds
+            the source, ranks that disagree, chunks that cannot be read without running code.
+        CorruptCheckpointError: the source fails its checksums or does not hold what its
+            metadata says (nothing is published).
+        FileNotFoundError: ``src`` or ``config`` does not exist.
+
+    Example:
+        >>> ckptstream.export_hf("ckpts", "hf-model", prefix="model.", dtype="bf16", config="config.json")
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained("hf-model")
+    """
+    cfg = per_call("export_hf", settings, legacy)
+    target, limit = parse_dtype(dtype), parse_size(max_shard_size)
+    src_path, folder = os.fsdecode(src), os.fsdecode(out)
+    config_bytes = _read_config(os.fsdecode(config)) if config is not None else None
+    with _gc.paused():
+        found = find(src_path, prefix, target, cfg)
+    shards = split(found.tensors, limit)
+    names = shard_names(len(shards))
+    storage = storage_for(folder)
+    _check_folder(storage, folder, found.files)
+    storage.make_folders(folder)
+    sinks: list[Sink] = []
+    total = sum(t.nbytes for t in found.tensors)
+    with interrupts_deferred(), progress_bar(progress, total, f"export {posixpath.basename(folder)}") as bar:
+        try:
+            for shard, name in zip(shards, names, strict=True):
+                sinks.append(storage.create(storage.join(folder, name)))
+                _write_shard(sinks[-1], shard, cfg, bar)
+            raise_if_interrupted()  # until here, OUT is as it was
+            _remove_earlier(storage, folder, names)
+            if config_bytes is not None:
+                storage.write_small(storage.join(folder, CONFIG), config_bytes)
+            for sink in sinks:
+                sink.publish()
+            if len(names) > 1:
+                storage.write_small(storage.join(folder, INDEX), index_json(shards, names))
+        finally:
+            for sink in sinks:
+                sink.abandon()  # those not published (a no-op after publish)
+    files = ([CONFIG] if config_bytes is not None else []) + names + ([INDEX] if len(names) > 1 else [])
+    return HFExport(folder, files, len(found.tensors), total, dict(found.tied), found.what)
+
+
+def _write_shard(sink: Sink, shard: list[OutTensor], cfg: Settings, bar: Any) -> None:
+    """One output file: its header (checksums as placeholders), the tensors, the checksums."""
+    with _gc.paused():
+        infos = _header.data_offsets([(t.name, t.out_dtype, t.shape) for t in shard])
+        header = _header.encode(infos, HF_METADATA, None, checksums=True)
+    by_name = {t.name: t for t in shard}
+    sink.write_at(memoryview(header), 0)
+    crcs = Copier([by_name[i.name] for i in infos], [i.begin for i in infos], len(header), sink, cfg, bar).run()
+    sink.write_at(memoryview(_header.fill(header, crcs)), 0)
+
+
+def _read_config(path: str) -> bytes:
+    data = storage_for(path).read_small(path, MAX_CONFIG)
+    try:
+        parsed = _header.parse_json(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ExportError(f"{path}: not a model's config.json ({e}); give the config that save_pretrained wrote") from e
+    if not isinstance(parsed, dict):
+        raise ExportError(f"{path}: holds a JSON {type(parsed).__name__}, a config.json an object")
+    return data
+
+
+def _same_file(a: str, b: str) -> bool:
+    if scheme_of(a) is None and scheme_of(b) is None:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def _check_folder(storage: Storage, folder: str, sources: list[str]) -> None:
+    """OUT is a folder (or nothing yet), and holds no source file under a name the export
+    writes or removes."""
+    try:
+        present = [e.name for e in storage.list_folder(folder)]
+    except FileNotFoundError:
+        return
+    except NotADirectoryError as e:
+        raise ExportError(f"{folder}: is a file; OUT is the folder to write the model into") from e
+    ours = [n for n in present if n in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(n)]
+    for name in ours:
+        for source in sources:
+            if _same_file(storage.join(folder, name), source):
+                raise ExportError(f"{source}: the source lies in OUT ({folder}) under a name the export replaces; "
+                                  "export into another folder")
+
+
+def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
+    """Remove an earlier export's weights: its last names first (durably), so that no mix of
+    two exports ever looks complete; then shards this export does not replace, and what dead
+    writers left of them."""
+    present = {e.name for e in storage.list_folder(folder)}
+    markers = [n for n in (INDEX, SAFE_WEIGHTS) if n in present]
+    for name in markers:
+        storage.remove(storage.join(folder, name), missing_ok=True)
+    if markers:
+        storage.sync_folder(folder)
+    for name in sorted(present):
+        if SHARD.fullmatch(name) and name not in names:
+            storage.remove(storage.join(folder, name), missing_ok=True)
+    for left in storage.unfinished(folder):
+        if (left in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(left)) and left not in names:
+            storage.remove_temps(storage.join(folder, left))
