@@ -156,7 +156,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, saving: ckptstream.Sa
             master.grad, p.grad = p.grad.float(), None
     norm = nn.utils.clip_grad_norm_(run.params, 1.0)
     if saving is not None:
-        saving.wait_staged()  # mode="lazy": the save may still read the state; the other modes: at once
+        saving.wait_staged()  # "lazy": until the save has read the state; "host": this stream waits for its copies
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     run.sched.step()

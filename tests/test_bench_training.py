@@ -232,6 +232,34 @@ def test_the_parts_add_up_over_several_checkpoints() -> None:
     assert row["durable_s"] is None
 
 
+@pytest.mark.parametrize("mode", checkpointers.OURS)
+def test_the_loop_calls_wait_staged_just_before_the_update(mode: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the target for "host" mode assumes: while a save_async is in flight, the loop calls
+    ``handle.wait_staged()`` after the backward pass and before ``optimizer.step()``."""
+    loop = training.Loop(int(TINY * training.GiB), torch.device("cpu"))
+    loop.step()  # the optimizer's moments exist from the first step on
+    log: list[str] = []
+    real_wait, real_step = ckptstream.SaveHandle.wait_staged, loop.opt.step
+
+    def wait_staged(self: ckptstream.SaveHandle, timeout: float | None = None) -> None:
+        log.append("wait_staged" if all(p.grad is not None for p in loop.params) else "wait_staged before backward")
+        real_wait(self, timeout)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        log.append("step")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(ckptstream.SaveHandle, "wait_staged", wait_staged)
+    monkeypatch.setattr(loop.opt, "step", step)
+    job = checkpointers.start(mode, loop.state(), str(tmp_path / "ckpt.safetensors"))
+    loop.step(job.gate)
+    job.finish()
+    assert log == ["wait_staged", "step"]
+    assert "calls its gate just before optimizer.step() (save_async: handle.wait_staged()" in training.render(
+        {"systems": {}, "steps": 3})
+
+
 def test_the_manager_row_writes_a_complete_step(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(3)
     state = {"w": torch.randn(1000, 37, generator=gen), "b": torch.randn(4099, generator=gen)}

@@ -93,13 +93,13 @@ def _on(state: Any, device: torch.device) -> Any:
 @pytest.mark.parametrize("mode", ["device", "lazy", "host"])
 def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str, device: torch.device) -> None:
     """Each mode of the one capture, on the CPU and (gpu) on a CUDA device: the state poisoned
-    right after staging (after wait_staged in "lazy" mode), the file equal to a sync save's."""
+    right after staging (after wait_staged in "lazy" and "host" modes), the file equal to a sync save's."""
     state = _on(edge_state(), device)
     want = {k: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
     save_1(state, tmp_path / "sync")
     writer = StreamWriter(tmp_path / "async", mode=mode, settings=Settings(**SMALL))
     future = single_process(dcp.async_save, state, storage_writer=writer)
-    if mode == "lazy":
+    if mode != "device":  # "host": orders the change below after the copies on a GPU
         assert writer.wait_staged(timeout=60)
     with torch.no_grad():
         for t in state["model"].values():

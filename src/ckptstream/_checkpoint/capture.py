@@ -7,10 +7,18 @@ says when the caller may change the state again:
   changed right after the call is never written beside device tensors of another step; in
   "lazy" mode only those of up to BY_VALUE_BYTES (a large CPU tensor streams like a device
   tensor, under the same ``wait_staged`` rule).
-- Device tensor copies are queued on each device's current stream: they run after the work
-  queued before the call and before any work queued after it, so the next optimizer step cannot
-  change a tensor before its copy has read it. The snapshot belongs to the save alone until the
-  engine has synchronized its copies out of it.
+- "device": the device-to-device copies are queued on each device's current stream: they run
+  after the work queued before the call and before any work queued after it, so the next
+  optimizer step cannot change a tensor before its copy has read it. The snapshot belongs to the
+  save alone until the engine has synchronized its copies out of it.
+- "host": the device-to-host copies run on a side stream of each device, which first waits on
+  an event recorded on the current stream at the call (the copies see every write queued
+  before it); the current stream does not wait behind them, so the forward and backward pass
+  that follow (which only read the state) run beside them. What orders a change after them is
+  the process's guard (``guard``: before an optimizer's update, before a training-mode forward
+  of a module holding a saved buffer), ``wait_staged()``, or the worker's wait for the copies;
+  the live tensors are kept referenced until then, so their memory is not reused under the
+  copies.
 - The engine's ordering point (``mark``) is taken here, after those copies: the worker's engine,
   made later in another thread, orders its own copies after it.
 """
@@ -24,6 +32,7 @@ from typing import Any
 import torch
 
 from .._engine import Mark, copyable, empty_tensor, mark
+from .guard import GUARD, HostCopies, storage_keys
 
 
 class AsyncMode(str, enum.Enum):
@@ -61,8 +70,18 @@ class Captured:
     mode: AsyncMode  # the mode in effect
     after: Mark | None = None  # where the engine's device copies start (device tensors among ``tensors``)
     ready: list[Any] = dataclasses.field(default_factory=list)  # events to wait for before streaming
-    staged: bool = True  # the caller may change the state at once
+    staged: bool = True  # the caller need not wait on the host before changing the state
     fallback: str = ""  # why "device" became "lazy"
+    copies: HostCopies | None = None  # "host": the side streams' copies, which order the caller's streams
+    keep: list[torch.Tensor] = dataclasses.field(default_factory=list)  # read by the copies until they are done
+
+    def copied(self) -> None:
+        """Wait for the copies into host memory (``ready``); the live tensors are no longer read."""
+        for event in self.ready:
+            event.synchronize()
+        if self.copies is not None:
+            self.copies.finish()
+        self.keep.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -139,13 +158,35 @@ def _lazy(tensors: list[torch.Tensor]) -> Captured:
     return Captured(live, AsyncMode.LAZY, after=mark(live), staged=False)
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of ``device`` that "host" saves copy on (one per device, made at first use)."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    return stream
+
+
 def _host(tensors: list[torch.Tensor]) -> Captured:
-    pin = torch.cuda.is_available()
-    copies = [_copy(t, CPU, pin=pin and t.is_cuda) for t in tensors]
-    devices = {t.device for t in tensors if t.is_cuda}
-    ready = []
-    for device in devices:  # the worker reads the host copies once the copies into them are done
-        event = torch.cuda.Event(blocking=True)  # it sleeps on it instead of spinning a core
-        event.record(torch.cuda.current_stream(device))
-        ready.append(event)
-    return Captured(copies, AsyncMode.HOST, ready=ready)
+    copies: list[torch.Tensor | None] = [None if t.is_cuda else _copy(t, CPU) for t in tensors]
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:
+        return Captured([c for c in copies if c is not None], AsyncMode.HOST)
+    events: dict[torch.device, torch.cuda.Event] = {}
+    for device in sorted({t.device for t in cuda}, key=str):
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # every write queued before the call
+        with torch.cuda.stream(stream):
+            for i, t in enumerate(tensors):
+                if t.device == device:
+                    copies[i] = _copy(t, CPU, pin=True)
+        event = torch.cuda.Event(blocking=True)  # the worker sleeps on it instead of spinning a core
+        event.record(stream)
+        events[device] = event
+    held = HostCopies(events, storage_keys(cuda))
+    GUARD.arm(held)
+    filled = [c for c in copies if c is not None]
+    assert len(filled) == len(tensors)
+    return Captured(filled, AsyncMode.HOST, ready=list(events.values()), copies=held, keep=cuda)

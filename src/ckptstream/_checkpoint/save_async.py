@@ -10,8 +10,11 @@ through the write engine and publishes the file exactly as ``save`` does.
               tensors into new host memory; staged at once.
     "lazy"    device tensors (and CPU tensors over BY_VALUE_BYTES) stream from the live memory;
               staged once the engine has copied out their last byte.
-    "host"    every tensor is copied into (pinned) host memory, device tensors on the current
-              stream; staged at once.
+    "host"    every tensor is copied into (pinned) host memory, device tensors on a side stream
+              that first waits on the current one (``capture``); the caller's stream does not
+              wait behind the copies: the process's guard (``guard``) orders an optimizer's
+              update and a training-mode forward that updates a saved buffer after them, and
+              ``wait_staged()`` orders the caller's current streams; staged once they are done.
 
 A process holds at most ``max_in_flight`` saves (the next call waits: backpressure). Saves of
 one file publish in call order: a save whose file is ready before that of an earlier save of the
@@ -39,6 +42,7 @@ from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
 from .capture import BY_VALUE_BYTES, MODES, AsyncMode, capture
+from .guard import HostCopies
 from .save import plan_checkpoint, write_checkpoint
 
 if TYPE_CHECKING:
@@ -69,20 +73,31 @@ class SaveHandle:
         self._staged_at: float | None = None
         self._durable_at: float | None = None
         self._earlier: SaveHandle | None = None  # the save of the same file called before, in flight
+        self._copies: HostCopies | None = None  # "host": the copies into host memory, on side streams
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Wait until the state is no longer read: from then on the caller may change it (the
-        next ``optimizer.step()``). Immediate in "device" and "host" modes. A failed save also
-        counts as staged: its error is raised by ``result()`` (or the next ``save_async``).
+        """Make the state safe to change from here on (the next ``optimizer.step()``).
+
+        "lazy": waits until the save has copied the state out. "device": returns at once. "host":
+        returns at once, once the current stream of each device the state is on waits for the
+        copies into host memory: work queued on it from now on (an in-place update) runs after
+        they have read the state. Work on another stream must wait on this one first, as for any
+        CUDA work. A failed save also counts as staged: its error is raised by ``result()`` (or
+        the next ``save_async``).
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
         """
+        copies = self._copies
+        if copies is not None and not self._staged.is_set():
+            copies.order()
+            return
         if not self._staged.wait(timeout):
             raise TimeoutError(f"the background save of {self.path} was not staged within {timeout} s")
 
     def staged(self) -> bool:
-        """Whether the state may be changed (see ``wait_staged``)."""
+        """Whether the save no longer reads the state: "device" at once, "host" once its copies
+        into host memory are done, "lazy" once it has copied the state out."""
         return self._staged.is_set()
 
     def done(self) -> bool:
@@ -303,11 +318,14 @@ def _register_exit_hook() -> None:
 
 def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, then: Completion | None) -> None:
     error: BaseException | None = None
+    plan: Any = None
+    captured: Any = None
     try:
         plan, captured = job
         job.clear()  # from here on the snapshot lives only in these locals
-        for event in captured.ready:
-            event.synchronize()
+        captured.copied()
+        if captured.copies is not None:  # "host": the copies have read the state
+            handle._mark_staged()
 
         def staged() -> None:  # the file is written, not yet published
             handle._mark_staged()
@@ -318,6 +336,8 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         error = e
         traceback.clear_frames(e.__traceback__)  # a kept error must not keep the snapshot alive
     finally:
+        if captured is not None and captured.copies is not None:
+            captured.copies.finish()  # nothing reads the state any more: the guard lets go
         plan = captured = None  # the snapshot's memory goes back before the completion runs
         handle._mark_staged()
         handle._earlier = None  # a failed save keeps no chain of older handles alive
@@ -352,7 +372,8 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
         if captured.fallback:
             warnings.warn(SnapshotFallbackWarning(captured.fallback), stacklevel=stacklevel)
         handle.mode = captured.mode
-        if captured.staged:
+        handle._copies = captured.copies
+        if captured.staged and captured.copies is None:
             handle._mark_staged()
         job = [plan.with_tensors(captured.tensors), captured]
         del plan, captured
@@ -391,8 +412,18 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
             "lazy": no copy: the bytes stream from the live tensors (CPU tensors of up to 1 MiB
                 are captured by value). Call ``handle.wait_staged()`` before changing the state
                 (before ``optimizer.step()``).
-            "host": every tensor is copied into host memory (pinned on a GPU machine), device
-                tensors on the current stream; the state may change as soon as the call returns.
+            "host": every tensor is copied into host memory (pinned on a GPU machine). The
+                device-to-host copies run on a side stream, after the work queued on the
+                current stream before the call, and beside the work queued after it: the next
+                forward and backward pass (which only read the state) do not wait for them. An
+                optimizer's update (``optimizer.step()``, after its closure) and the forward of
+                a module in training mode that holds a saved buffer (BatchNorm's running
+                statistics) are ordered after the copies by the process's hooks, on the GPU
+                (the host does not wait). Any other in-place change of a saved tensor (a
+                hand-written ``p.data.add_()``) must come after ``handle.wait_staged()``, which
+                orders the current stream after the copies and returns at once. A loop may call
+                it just before ``optimizer.step()`` as in "lazy" mode: the update then waits on
+                the GPU for what is left of the copies, as it does with the hook alone.
         max_in_flight: at most this many saves of this process run at once, this one included;
             when they do, the call first waits for the oldest to end (backpressure). Saves of
             one path publish in call order: the path ends with the newest call's state (a save

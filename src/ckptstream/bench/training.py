@@ -17,6 +17,12 @@ that the slowest write ends inside the loop (each row says whether it did). Per 
     RSS       peak host RSS over the process's before the checkpoint
     durable   seconds from the call until the checkpoint is on disk (fsynced)
 
+While a checkpoint is in flight the loop calls the system's gate just before ``optimizer.step()``
+(``handle.wait_staged()`` for save_async: "lazy" waits until the state is read, "host" makes the
+update wait on the GPU for the copies into host memory, "device" returns at once; DCP's pinned
+stager: its staging future), as a training loop does. Each step ends by synchronizing its own
+stream (a device-wide synchronize would wait for the copies a save runs on its side streams).
+
 Systems (``checkpointers.py``): ckptstream.save (sync), save_async in "device", "lazy" and "host"
 modes, torch.save in a background thread after a CPU copy, DCP async_save with its default
 stager and with torchtitan's pinned-memory stager; nvidia-resiliency-ext's async torch.save when
@@ -110,7 +116,9 @@ class Loop:
                 for m, p in zip(self.master, self.model.parameters(), strict=True):
                     p.copy_(m)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            # the step's own stream, as a loop that reads its loss does: a device-wide
+            # synchronize would also wait for a save's copies running on its side streams
+            torch.cuda.current_stream(self.device).synchronize()
         return _clock() - start
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -357,7 +365,9 @@ def render(result: dict[str, Any]) -> str:
              f"d_model {model.get('d_model')}, {model.get('layers')} layers, {model.get('tokens')} tokens per step, "
              f"plain step {_ms(result.get('step_s'))} (torch {result.get('torch')})")
     what = (f"lost per checkpoint = wall time of the same {result.get('steps')} steps with one checkpoint minus "
-            "without, the wait for durability at the end included = blocked + slowed steps + wait at end")
+            "without, the wait for durability at the end included = blocked + slowed steps + wait at end; "
+            "while a save is in flight the loop calls its gate just before optimizer.step() (save_async: "
+            "handle.wait_staged(), which in host mode orders the update after the copies on the GPU)")
     return "\n".join([title, what, "", *text, *(f"note: {note}" for note in result.get("notes", []))])
 
 

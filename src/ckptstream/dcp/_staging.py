@@ -11,8 +11,11 @@ The tensors are captured by the one capture of background saves (``ckptstream._c
 - "lazy": no copy (CPU tensors of up to 1 MiB excepted); the writer streams from the live
   tensors, and the caller waits for ``StreamWriter.wait_staged()`` before changing them (before
   ``optimizer.step()``).
-- "host": a full host copy (pinned where CUDA tensors are), what DCP's own stager does; the
-  writer waits for the copies before reading them.
+- "host": a full host copy (pinned where CUDA tensors are), what DCP's own stager does. The
+  device-to-host copies run on a side stream beside the caller's work (as for ``save_async``):
+  the process's guard orders an optimizer's update and a training-mode forward that updates a
+  saved buffer after them, ``StreamWriter.wait_staged()`` orders the caller's current stream;
+  the writer waits for the copies before reading them.
 In every mode the containers and non-tensor values are copied at the call, so a later change
 to a step counter or a learning rate cannot leak into the checkpoint.
 """

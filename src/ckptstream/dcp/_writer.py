@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._checkpoint.capture import AsyncMode, Captured
+from .._checkpoint.guard import HostCopies
 from .._engine import Mark, mark
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
@@ -85,6 +86,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         self._staged = threading.Event()
         self._staged.set()
         self._captured: tuple[int, Captured] | None = None  # (staging thread, capture) of the last stage()
+        self._copies: HostCopies | None = None  # "host": the last stage()'s copies, on side streams
         self._planning = _PlanningPause()
         weakref.finalize(self, self._planning.end)
 
@@ -162,8 +164,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         if staged is None:
             return None
         thread, captured = staged
-        for event in captured.ready:  # the host snapshot's copies, before the engine reads it
-            event.synchronize()
+        captured.copied()  # the host snapshot's copies, before the engine reads it
         if thread == threading.get_ident() or captured.after is None:
             return None
         after = mark(tensors)  # devices the snapshot did not hold (a planner's own tensors)
@@ -200,13 +201,20 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         if not captured.staged:
             self._staged.clear()
         self._captured = threading.get_ident(), captured
+        self._copies = captured.copies
         return staged
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Wait until the state given to ``dcp.async_save`` may change: at once with "device"
-        and "host" modes; with "lazy", once this rank's write has copied every tensor's bytes
-        out (or failed). Returns False if ``timeout`` seconds passed first. A save that fails
-        before it writes (in DCP's planning) does not get here: its future holds the error."""
+        """Make the state given to ``dcp.async_save`` safe to change: at once with "device";
+        with "host", at once, once the current stream of each device waits for the copies into
+        host memory (work queued on it from now on runs after them); with "lazy", once this
+        rank's write has copied every tensor's bytes out (or failed). Returns False if
+        ``timeout`` seconds passed first. A save that fails before it writes (in DCP's planning)
+        does not get here: its future holds the error."""
+        copies = self._copies
+        if copies is not None and not copies.done():
+            copies.order()
+            return True
         return self._staged.wait(timeout)
 
     def synchronize_staging(self) -> None:
@@ -219,7 +227,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
         """DCP's process executor pickles the writer: without its event and CUDA ordering point,
         which belong to this process."""
         state = dict(self.__dict__)
-        state["_staged"], state["_captured"], state["_planning"] = None, None, None
+        state["_staged"], state["_captured"], state["_planning"], state["_copies"] = None, None, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

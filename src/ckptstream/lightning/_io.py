@@ -42,8 +42,9 @@ class StreamCheckpointIO(CheckpointIO):
             save to its path, and at teardown (where the error of a failed save is raised). In
             "lazy" mode the next optimizer update (after its forward and backward pass) and a
             training-mode forward that updates a saved buffer (BatchNorm statistics) first wait
-            until the save has copied the state out; call ``wait_staged()`` before changing the
-            saved tensors any other way.
+            until the save has copied the state out; in "host" mode the same two wait on the GPU
+            for the copies into host memory (``save_async``'s own guard: the host does not wait).
+            Call ``wait_staged()`` before changing the saved tensors any other way.
         metadata: ``str -> str`` pairs for every file's header (``ckptstream.read_metadata``).
         checksum: store a CRC-32C of every tensor (checked on load).
         allow_pickle: store values that are not plain data (dataclasses, enums, arbitrary
@@ -171,8 +172,15 @@ class StreamCheckpointIO(CheckpointIO):
     # --- waiting ----------------------------------------------------------------------------------
 
     def wait_staged(self) -> None:
-        """Wait until every "lazy" save has copied the state out (from then on it may change)."""
+        """Make the state safe to change from here on: wait until every "lazy" save has copied
+        it out, and order the current streams after the copies of every "host" save (the host
+        does not wait for those)."""
         self._guard.wait()
+        with self._lock:
+            handles = list(self._saves.values())
+        for handle in handles:
+            if handle.mode == "host":
+                handle.wait_staged()
 
     def wait(self) -> None:
         """Wait for every background save of this plug-in to end; raises the first error of those
