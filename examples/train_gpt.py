@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                 if step % 50 == 0 or step == stop:
                     print(f"step {step:5d}  loss {loss.item():.4f}  lr {run.sched.get_last_lr()[0]:.2e}")
                 if args.save_every and step % args.save_every == 0:
-                    saving = ckpts.save(step, checkpoint_state(run, step, epoch, batch))
+                    saving = ckpts.save(checkpoint_state(run, step, epoch, batch), step)
                 if step >= stop:
                     break
             else:

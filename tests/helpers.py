@@ -395,3 +395,11 @@ def child_env(**extra: str) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
+
+
+def buffers(buffer_size: int | None, num_buffers: int | None = None) -> ckptstream.Settings:
+    """The settings of a test parametrised over staging buffers: the defaults but for these
+    (None: the default)."""
+    default = ckptstream.Settings()
+    return ckptstream.Settings(buffer_size=buffer_size or default.buffer_size,
+                               num_buffers=num_buffers or default.num_buffers)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._checkpoint import capture, save, save_async
 from ckptstream._engine.write import WriteEngine
 from tests.helpers import engine_threads, random_tensor
@@ -102,12 +103,12 @@ def mutate(state: dict[str, Any]) -> None:
 def test_the_file_is_what_save_writes(mode: str, tmp_path: Path) -> None:
     state = training_state(1 << 16)
     handle = ckptstream.save_async(state, tmp_path / "async.safetensors", mode=mode, metadata={"run": "a"},
-                                   buffer_size=8192, num_buffers=3)
+                                   settings=Settings(buffer_size=8192, num_buffers=3))
     assert handle.path == str(tmp_path / "async.safetensors")
     assert handle.mode == mode
     assert handle.step is None
     handle.wait_staged()
-    assert handle.wait() == handle.path
+    assert handle.result() == handle.path
     assert handle.done()
     assert handle.staged()
     assert engine_threads() == []  # the save's own thread is joined too
@@ -126,7 +127,7 @@ def test_changes_after_the_call_are_not_in_the_file(mode: str, tmp_path: Path, s
     wait_staged() returns, and its small CPU tensors and plain values at once."""
     state = training_state()
     expected = detached(state)
-    handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, **SLOW)
+    handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, settings=Settings(**SLOW))
     if mode == "lazy":
         state["optim"]["state"][0]["step"].add_(1)  # a CPU step counter, changed before the gate
         state["step"] = 99
@@ -171,7 +172,7 @@ def test_a_failed_save_raises_at_result_and_leaves_the_old_file(tmp_path: Path,
     ckptstream.save({"old": torch.arange(5)}, path)
     old = path.read_bytes()
     fail_writes(monkeypatch)
-    handle = ckptstream.save_async(training_state(), path, **SLOW)
+    handle = ckptstream.save_async(training_state(), path, settings=Settings(**SLOW))
     handle.wait_staged()  # a failed save counts as staged: the state is no longer read
     with pytest.raises(OSError, match="No space left") as e:
         handle.result()
@@ -179,7 +180,7 @@ def test_a_failed_save_raises_at_result_and_leaves_the_old_file(tmp_path: Path,
     assert handle.done()
     assert handle.seconds_to_durable is None
     with pytest.raises(OSError, match="No space left"):
-        handle.wait()  # asked again, it says the same
+        handle.result()  # asked again, it says the same
     assert path.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
     monkeypatch.undo()
@@ -190,7 +191,7 @@ def test_a_failed_save_raises_at_result_and_leaves_the_old_file(tmp_path: Path,
 def test_an_uncollected_error_is_raised_by_the_next_save_async(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     fail_writes(monkeypatch)
-    failed = ckptstream.save_async(training_state(), tmp_path / "a.safetensors", **SLOW)
+    failed = ckptstream.save_async(training_state(), tmp_path / "a.safetensors", settings=Settings(**SLOW))
     while not failed.done():
         time.sleep(0.01)
     monkeypatch.undo()
@@ -273,7 +274,7 @@ def test_device_mode_short_of_memory_streams_the_live_state_before_returning(
     state = training_state()
     expected = detached(state)
     with pytest.warns(ckptstream.SnapshotFallbackWarning, match="too little free GPU memory") as record:
-        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", **SLOW)
+        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", settings=Settings(**SLOW))
     assert record[0].filename == __file__
     assert handle.mode == "lazy"
     assert handle.staged()
@@ -378,8 +379,8 @@ def test_a_big_save_then_a_small_one_leave_the_small_state(tmp_path: Path) -> No
     newer state is the one left."""
     path = tmp_path / "ckpt.safetensors"
     big, small = {"w": random_tensor(1 << 21), "version": 1}, {"w": random_tensor(16), "version": 2}
-    first = ckptstream.save_async(big, path, max_in_flight=2, **SLOW)
-    second = ckptstream.save_async(small, path, max_in_flight=2, **SLOW)
+    first = ckptstream.save_async(big, path, max_in_flight=2, settings=Settings(**SLOW))
+    second = ckptstream.save_async(small, path, max_in_flight=2, settings=Settings(**SLOW))
     assert first.result() == second.result() == str(path)
     assert differences(ckptstream.load(path), small) == []
 
@@ -556,7 +557,7 @@ def test_the_copy_is_freed_once_the_save_ends(mode: str, fails: bool, tmp_path: 
     state = training_state(1 << 16)
     gc.disable()
     try:
-        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, **SLOW)
+        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode=mode, settings=Settings(**SLOW))
         while not handle.done():  # the handle lives on, its error not asked for yet
             time.sleep(0.01)
         assert kept

@@ -319,7 +319,8 @@ def test_a_failing_load_is_reported_and_the_other_loads_still_run(tmp_path: Path
 
 
 def _settings_now() -> dict[str, int]:
-    now = ckptstream.current_settings()
+    with ckptstream.settings() as now:
+        pass
     return {"buffer_size": now.buffer_size, "num_buffers": now.num_buffers, "io_threads": now.io_threads}
 
 

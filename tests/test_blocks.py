@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._checkpoint import blocks
 from ckptstream._format import header
 from tests.helpers import DTYPES, assert_bytes_equal, header_of, random_tensor
@@ -41,7 +42,8 @@ def test_a_load_returns_every_tensor_exactly(device: torch.device, buffer_size: 
     state = _mixed_state(device)
     path = tmp_path / "c.safetensors"
     ckptstream.save(state, path)
-    loaded = ckptstream.load(path, device=device, buffer_size=buffer_size)  # chunks cut runs and elements
+    loaded = ckptstream.load(path, device=device,
+                             settings=Settings(buffer_size=buffer_size))  # chunks cut runs and elements
     assert list(loaded) == list(state)
     for key, t in state.items():
         assert (loaded[key].dtype, loaded[key].shape, loaded[key].device) == (t.dtype, t.shape, t.device)
@@ -95,7 +97,7 @@ def test_a_corrupt_byte_names_its_own_tensor_not_its_neighbours(device: torch.de
         bad.write_bytes(bytes(data))
         for buffer_size in (4096, 16 << 20):
             with pytest.raises(ckptstream.CorruptCheckpointError, match=rf"'{key}' fails its CRC-32C"):
-                ckptstream.load(bad, device=device, buffer_size=buffer_size)
+                ckptstream.load(bad, device=device, settings=Settings(buffer_size=buffer_size))
 
 
 def test_unaligned_tensors_of_a_foreign_file_load_alone(device: torch.device, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine.tensor_bytes import flat_bytes
 from ckptstream._format import header as _header
 from ckptstream._format.header import DTYPE_NAMES
@@ -31,6 +32,7 @@ from tests.helpers import (
     FLOAT4,
     Resources,
     assert_bytes_equal,
+    buffers,
     header_of,
     needs_float4,
     random_bytes,
@@ -257,10 +259,10 @@ def test_edge_case_tensors_round_trip(device: torch.device, place: Place, buffer
     state["spans_chunks"] = random_tensor(3001, torch.float32, device)
     state["spans_chunks_transposed"] = random_tensor((70, 53), torch.bfloat16, device).t()
     path = place.path("ckpt.safetensors")
-    ckptstream.save(state, path, buffer_size=buffer_size, num_buffers=2)
+    ckptstream.save(state, path, settings=buffers(buffer_size, 2))
     ckptstream.verify(path)
     for where in (device, "cpu"):
-        loaded = ckptstream.load(path, device=where, buffer_size=buffer_size, num_buffers=3)
+        loaded = ckptstream.load(path, device=where, settings=buffers(buffer_size, 3))
         assert list(loaded) == list(state)
         for name, t in loaded.items():
             assert t.is_contiguous(), name
@@ -276,12 +278,13 @@ def test_float4_views_and_background_saves(device: torch.device, tmp_path: Path,
     assert FLOAT4 is not None
     state = {"t": random_tensor((64, 90), FLOAT4, device).t(), "c": random_tensor((5, 3), FLOAT4, device)}
     path = tmp_path / "f4.safetensors"
-    ckptstream.save(state, path, buffer_size=buffer_size)
+    ckptstream.save(state, path, settings=buffers(buffer_size))
     targets = {"t": torch.empty(64, 90, dtype=FLOAT4, device=device).t(), "c": torch.empty(5, 3, dtype=FLOAT4,
                                                                                            device=device)}
-    ckptstream.load_into(targets, path, buffer_size=buffer_size)
+    ckptstream.load_into(targets, path, settings=buffers(buffer_size))
     for mode in ("device", "lazy", "host"):
-        ckptstream.save_async(state, tmp_path / f"{mode}.safetensors", mode=mode, buffer_size=buffer_size).result()
+        ckptstream.save_async(state, tmp_path / f"{mode}.safetensors", mode=mode,
+                              settings=buffers(buffer_size)).result()
         loaded = ckptstream.load(tmp_path / f"{mode}.safetensors", device=device)
         for name, t in state.items():
             assert_bytes_equal(loaded[name], t)
@@ -564,7 +567,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
 
     with monkeypatch.context() as m:  # how many writes a save of this state makes
         calls = count_calls(m, "pwrite_all")
-        ckptstream.save(state, tmp_path / "probe.safetensors", **options)
+        ckptstream.save(state, tmp_path / "probe.safetensors", settings=Settings(**options))
         writes = next(calls)
     (tmp_path / "probe.safetensors").unlink()
     assert writes >= 6
@@ -578,7 +581,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
         k = {"header": 0, "first_chunk": 1, "middle_chunk": writes // 2, "checksum_header": writes - 1}[where]
         fail_on_call(monkeypatch, fileio, "pwrite_all", k, error)
     with pytest.raises(type(error)) as e:
-        ckptstream.save(state, path, **options)
+        ckptstream.save(state, path, settings=Settings(**options))
     if e.value is not error:  # an OS error may come back naming the file, from the one injected
         assert isinstance(error, OSError)
         assert isinstance(e.value, OSError)
@@ -590,7 +593,7 @@ def test_failed_save_keeps_the_old_file(where: str, make_error: Callable[[], Bas
     resources.assert_released()
     monkeypatch.undo()
     ckptstream.verify(path)
-    ckptstream.save(state, path, **options)  # and the next save works
+    ckptstream.save(state, path, settings=Settings(**options))  # and the next save works
     assert_same(ckptstream.load(path), state)
 
 

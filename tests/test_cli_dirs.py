@@ -51,7 +51,7 @@ def manager_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "ckpts"
     with ckptstream.CheckpointManager(directory, keep=5) as manager:
         for step in (1, 2):
-            manager.save(step, step_state(step)).result()
+            manager.save(step_state(step), step).result()
     folder = Path(_directory.step_dir(str(directory), 3))
     folder.mkdir()
     for rank in range(2):

@@ -37,12 +37,25 @@ SETTINGS_FIELDS_0_1_0 = ["buffer_size", "num_buffers", "io_threads", "direct_io"
 
 
 def test_every_public_name_of_0_1_0_still_exists() -> None:
+    """Deprecated ones too: ``current_settings`` (out of ``__all__``, with a DeprecationWarning)
+    and the per-call settings keywords (taken by a typed ``**legacy``, with a
+    DeprecationWarning; test_api_deprecations.py calls every function with them)."""
     for name in [*PUBLIC_0_1_0, "staging_bytes", "release_staging"]:  # the last two: since 0.1.0
+        if name == "current_settings":
+            assert name not in ckptstream.__all__
+            with pytest.warns(DeprecationWarning, match="current_settings"):
+                assert getattr(ckptstream, name) is not None
+            continue
         assert name in ckptstream.__all__, name
         assert getattr(ckptstream, name) is not None, name
     for name, keywords in KEYWORDS_0_1_0.items():
         params = inspect.signature(getattr(ckptstream, name)).parameters
+        legacy = params.get("legacy")
+        assert legacy is not None, name
+        assert legacy.kind is inspect.Parameter.VAR_KEYWORD, name
         for keyword in keywords:
+            if keyword in SETTINGS_FIELDS_0_1_0:
+                continue  # through **legacy
             assert keyword in params, (name, keyword)
             assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, (name, keyword)
     assert [f for f in SETTINGS_FIELDS_0_1_0 if f not in inspect.signature(ckptstream.Settings).parameters] == []
@@ -90,29 +103,36 @@ def test_checksum_argument_does_not_warn(tmp_path: Path) -> None:
 
 
 def test_none_per_call_means_inherit(tmp_path: Path) -> None:
+    """0.1.0's per-call keywords (deprecated) with None: the settings in force."""
     src = random_tensor(3000)
     path = tmp_path / "t.bin"
+    deprecated = pytest.warns(DeprecationWarning, match=r"buffer_size=\.\.\..* is deprecated: pass settings=")
+    dst = torch.empty_like(src)
     with ckptstream.settings(buffer_size=4096, num_buffers=2):
-        assert ckptstream.device_to_file(src, path, buffer_size=None, num_buffers=None, io_threads=None,
-                                         direct_io=None) == src.nbytes
-        dst = torch.empty_like(src)
-        ckptstream.file_to_device(path, dst, buffer_size=None, num_buffers=None)
-        ckptstream.save({"s": src}, tmp_path / "c.safetensors", buffer_size=None, num_buffers=None, direct_io=None)
-        loaded = ckptstream.load(tmp_path / "c.safetensors", buffer_size=None, num_buffers=None)
+        with deprecated:
+            written = ckptstream.device_to_file(src, path, buffer_size=None, num_buffers=None, io_threads=None,
+                                                direct_io=None)
+        assert written == src.nbytes
+        with deprecated:
+            ckptstream.file_to_device(path, dst, buffer_size=None, num_buffers=None)
+        with deprecated:
+            ckptstream.save({"s": src}, tmp_path / "c.safetensors", buffer_size=None, num_buffers=None, direct_io=None)
+        with deprecated:
+            loaded = ckptstream.load(tmp_path / "c.safetensors", buffer_size=None, num_buffers=None)
     assert_bytes_equal(dst, src)
     assert_bytes_equal(loaded["s"], src)
 
 
 def test_settings_with_the_0_1_0_spellings_of_direct_io() -> None:
-    # the annotation names DirectIO only: 0.1.0's spellings are accepted at run time
-    assert ckptstream.Settings(direct_io=None).direct_io is ckptstream.DirectIO.AUTO  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=True).direct_io is ckptstream.DirectIO.ON  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=False).direct_io is ckptstream.DirectIO.OFF  # type: ignore[arg-type]
-    assert ckptstream.Settings(direct_io=None) == ckptstream.Settings()  # type: ignore[arg-type]
+    # 0.1.0's spellings: True / False / None
+    assert ckptstream.Settings(direct_io=None).direct_io is ckptstream.DirectIO.AUTO
+    assert ckptstream.Settings(direct_io=True).direct_io is ckptstream.DirectIO.ON
+    assert ckptstream.Settings(direct_io=False).direct_io is ckptstream.DirectIO.OFF
+    assert ckptstream.Settings(direct_io=None) == ckptstream.Settings()
     with ckptstream.settings(direct_io=None) as s:
         assert s.direct_io is ckptstream.DirectIO.AUTO
     with pytest.raises(ValueError, match="multiple of 4096"):
-        ckptstream.Settings(buffer_size=5000, direct_io=True)  # type: ignore[arg-type]
+        ckptstream.Settings(buffer_size=5000, direct_io=True)
 
 
 # --- the file format, byte for byte -------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine import tensor_bytes
 from tests.helpers import assert_bytes_equal, poison, random_tensor
 
@@ -47,7 +48,7 @@ def test_a_write_of_0_bytes_is_an_eio_naming_the_file_not_a_short_file(which: st
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(OSError, match=rf"write returned 0 at offset {expected_offset}") as e:
-        ckptstream.save(state, path, **opts)
+        ckptstream.save(state, path, settings=Settings(**opts))
     monkeypatch.undo()
     assert e.value.errno == errno.EIO
     assert ".ckpt.safetensors.ckptstream-tmp-" in str(e.value.filename)
@@ -97,12 +98,12 @@ def test_non_contiguous_loads_whose_chunks_cut_elements(device: torch.device, dt
     monkeypatch.setattr("ckptstream._engine.read.copy_in", spy)
     opts: dict[str, Any] = {"buffer_size": buffer_size, "num_buffers": 2, "io_threads": io_threads}
     dst = transposed_poisoned((160, 33), dtype, device)
-    with ckptstream.open(path, **opts) as reader:
+    with ckptstream.open(path, settings=Settings(**opts)) as reader:
         reader.read_into("w", dst)
     assert_bytes_equal(dst, w)
     assert cuts, "no chunk began inside an element: the test proves nothing"
     state = {"w": transposed_poisoned((160, 33), dtype, device), "v": transposed_poisoned((9, 70), dtype, device)}
-    ckptstream.load_into(state, path, **opts)
+    ckptstream.load_into(state, path, settings=Settings(**opts))
     assert_bytes_equal(state["w"], w)
     assert_bytes_equal(state["v"], v)
 

@@ -196,7 +196,7 @@ def test_cuda_without_cuda_is_a_value_error(device: Any, saved: tuple[Path, dict
         with pytest.raises(ValueError, match="no CUDA device"):
             reader.read("model.w", device=device)
         with pytest.raises(ValueError, match="no CUDA device"):
-            reader.read_slice("model.w", [0, 0], [2, 2], device=device)
+            reader.read_slices([("model.w", [0, 0], [2, 2], device)])[0]
 
 
 @pytest.mark.parametrize("device", ["xpu", "mps", "bogus", "cuda:x", torch.device("meta")])

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, ExportError
+from ckptstream import CorruptCheckpointError, ExportError, Settings
 from ckptstream._manager.directory import step_dir, write_done
 from ckptstream.cli import main
 from tests.helpers import flip_last_byte
@@ -43,7 +43,8 @@ def test_a_training_state_exports_as_save_pretrained_shards_it(tmp_path: Path, g
     config = tmp_path / "config.json"
     config.write_text(tiny_config().to_json_string())
     out = tmp_path / "hf"
-    result = ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="40KB", config=config, **SMALL)
+    result = ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="40KB", config=config,
+                                  settings=Settings(**SMALL))
     tensors = check_folder(out)
     assert len(result.files) == len(list(out.iterdir()))
     assert result.files[-1] == "model.safetensors.index.json"
@@ -92,7 +93,7 @@ def test_a_cast_is_torchs_own_and_leaves_integers_alone(tmp_path: Path, dtype: s
     state = _casts()
     ckptstream.save({"model": state, "other": torch.randn(3)}, tmp_path / "s.safetensors")
     ckptstream.export_hf(tmp_path / "s.safetensors", tmp_path / "hf", prefix="model.", dtype=dtype,
-                         max_shard_size="3KB", **SMALL)
+                         max_shard_size="3KB", settings=Settings(**SMALL))
     got = check_folder(tmp_path / "hf")
     target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     assert got.keys() == state.keys()
@@ -179,8 +180,8 @@ def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path
 
 def test_a_manager_directory_exports_its_newest_complete_step(tmp_path: Path, gpt2: Any) -> None:
     with ckptstream.CheckpointManager(tmp_path / "ckpts", keep=None) as manager:
-        manager.save(1, {"model": {"w": torch.randn(4)}})
-        manager.save(2, trained_state(gpt2))
+        manager.save({"model": {"w": torch.randn(4)}}, 1)
+        manager.save(trained_state(gpt2), 2)
     (tmp_path / "ckpts" / "step-000000000003").mkdir()  # an unfinished save: no DONE
     result = ckptstream.export_hf(tmp_path / "ckpts", tmp_path / "hf", prefix="model.")
     assert "step 2" in result.source

@@ -139,7 +139,7 @@ def test_flipped_byte_fails_its_checksum_naming_the_tensor(tmp_path: Path) -> No
     ckptstream.save(state, path)
     flip_byte(path, "b", at=1000)
     for call in (lambda: ckptstream.verify(path), lambda: ckptstream.load(path),
-                 lambda: ckptstream.load(path, buffer_size=513, num_buffers=2),
+                 lambda: ckptstream.load(path, settings=ckptstream.Settings(buffer_size=513, num_buffers=2)),
                  lambda: ckptstream.load_into({k: poisoned_like(v) for k, v in state.items()}, path)):  # fmt: skip
         with pytest.raises(ckptstream.CorruptCheckpointError, match=r"tensor 'b' fails its CRC-32C") as e:
             call()

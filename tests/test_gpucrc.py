@@ -169,13 +169,13 @@ def test_whole_load_checksums_small_tensors_on_the_device(tmp_path: Path, monkey
     state = {f"w{i}": torch.randn(i % 50 + 1, device="cuda", generator=gen) for i in range(3000)}
     path = tmp_path / "small.safetensors"
     ckptstream.save(state, path)
-    loaded = ckptstream.load(path, device="cuda", buffer_size=buffer_size)
+    loaded = ckptstream.load(path, device="cuda", settings=ckptstream.Settings(buffer_size=buffer_size))
     assert sum(ranges) == len(state)
     for k, v in state.items():
         assert_bytes_equal(loaded[k], v)
     flip_last_byte(path, "w1234")
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'w1234' fails its CRC-32C"):
-        ckptstream.load(path, device="cuda", buffer_size=buffer_size)
+        ckptstream.load(path, device="cuda", settings=ckptstream.Settings(buffer_size=buffer_size))
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._checkpoint import blocks, load_into
 from ckptstream._format.header import DTYPE_NAMES
 from ckptstream._format.structure import KeyPath
@@ -18,6 +19,7 @@ from tests.helpers import (
     WRITABLE_EDGE_CASES,
     as_bytes,
     assert_bytes_equal,
+    buffers,
     flip_last_byte,
     is_poisoned,
     poison,
@@ -79,7 +81,7 @@ def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.devic
     targets["inside"] = around[11:88]  # contiguous, at an offset into a larger storage
     targets["t"] = poisoned_like(torch.empty(40, 30, dtype=torch.float16, device=device)).t()
     where = {k: v.data_ptr() for k, v in targets.items()}
-    ckptstream.load_into(targets, path, buffer_size=buffer_size)
+    ckptstream.load_into(targets, path, settings=buffers(buffer_size))
     for k, v in state.items():
         assert targets[k].data_ptr() == where[k], k
         assert_bytes_equal(targets[k], v)
@@ -90,7 +92,7 @@ def test_many_small_targets_are_gathered_and_filled_in_place(device: torch.devic
         for v in targets.values():
             poison(v)
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'s1234' fails its CRC-32C"):
-        ckptstream.load_into(targets, path, buffer_size=buffer_size)
+        ckptstream.load_into(targets, path, settings=buffers(buffer_size))
     assert is_poisoned(targets["s1234"])
     assert is_poisoned(targets["s5"])
     assert_bytes_equal(targets["big"], state["big"])  # streamed straight in: the file's (sound) bytes
@@ -142,7 +144,7 @@ def test_non_contiguous_targets(device: torch.device, place: Place, buffer_size:
     bases, views = {}, {}
     for c in STORABLE_WRITABLE_CASES:
         bases[c.name], views[c.name] = c.destination(device)
-    ckptstream.load_into(views, path, buffer_size=buffer_size, num_buffers=2)
+    ckptstream.load_into(views, path, settings=buffers(buffer_size, 2))
     for c in STORABLE_WRITABLE_CASES:
         assert_bytes_equal(views[c.name], sources[c.name])
         assert_bytes_equal(bases[c.name], c.expected_base(sources[c.name].to(device)))
@@ -290,7 +292,8 @@ def test_a_target_that_cannot_be_written_is_refused_before_any_byte(tmp_path: Pa
     """Every destination is checked first: a target the file's bytes cannot land in is named in a
     StateMismatchError and no other target has changed (0.1.0 filled some, then failed in torch)."""
     path = tmp_path / "ckpt.safetensors"
-    ckptstream.save({"a": random_tensor((64, 64)), "b": random_tensor((4, 4))}, path, buffer_size=4096)
+    ckptstream.save({"a": random_tensor((64, 64)), "b": random_tensor((4, 4))}, path,
+                    settings=Settings(buffer_size=4096))
     a = poisoned_like(random_tensor((64, 64)))
     b = {"expanded": torch.zeros(4).expand(4, 4),
          "overlapping_strides": torch.zeros(10).as_strided((4, 4), (1, 1)),

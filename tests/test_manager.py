@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 from ckptstream._storage import storage_for
@@ -56,7 +57,7 @@ def test_keep_the_newest_complete_checkpoints(place: Place) -> None:
         assert (ckpts.steps(), ckpts.latest_step()) == ([], None)
         with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
             ckpts.load()
-        handles = [ckpts.save(step, state(step)) for step in (10, 20, 30)]
+        handles = [ckpts.save(state(step), step) for step in (10, 20, 30)]
         ckpts.wait()
         assert [h.step for h in handles] == [10, 20, 30]
         assert all(h.done() for h in handles)
@@ -75,7 +76,7 @@ def test_keep_the_newest_complete_checkpoints(place: Place) -> None:
         assert done["step"] == 30
         assert done["world_size"] == 1
         assert done["files"] == {"state.safetensors": storage.size(ckpts.path())}
-        handle = ckpts.save(40, state(40), blocking=True)
+        handle = ckpts.save(state(40), 40, blocking=True)
         assert handle.done()
         assert ckpts.steps() == [30, 40]
     assert listed(directory) == ["step-000000000030", "step-000000000040"]
@@ -83,7 +84,7 @@ def test_keep_the_newest_complete_checkpoints(place: Place) -> None:
 
 def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> None:
     with ckptstream.CheckpointManager(tmp_path, keep=3) as ckpts:
-        ckpts.save(3, state(3), blocking=True)
+        ckpts.save(state(3), 3, blocking=True)
     good = tmp_path / "step-000000000003"
     for step, done in ((7, None), (8, "{not json"), (9, "wrong size")):
         folder = tmp_path / f"step-{step:012d}"
@@ -103,35 +104,35 @@ def test_only_complete_checkpoints_count_and_leftovers_go(tmp_path: Path) -> Non
     assert ckpts.steps() == [3]
     assert ckpts.latest_step() == 3
     assert len(entries(tmp_path)) == 6
-    ckpts.save(11, state(11), blocking=True)  # complete: the older incomplete steps go
+    ckpts.save(state(11), 11, blocking=True)  # complete: the older incomplete steps go
     assert ckpts.steps() == [3, 11]
     assert entries(tmp_path) == ["step-000000000003", "step-000000000010", "step-000000000011", "step-notanumber"]
     ckpts.close()
     ckpts.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
-        ckpts.save(12, state(12))
+        ckpts.save(state(12), 12)
 
 
 def test_steps_increase_and_delete_rolls_back(place: Place) -> None:
     directory = place.path("ckpts")
     with ckptstream.CheckpointManager(directory, keep=None) as ckpts:
         for step in (1, 5, 9):
-            ckpts.save(step, state(step))
+            ckpts.save(state(step), step)
         with pytest.raises(ValueError, match="step 5 is not after step 9"):
-            ckpts.save(5, state(0))
+            ckpts.save(state(0), 5)
         ckpts.wait()
         ckpts.delete(9)
         assert listed(directory) == ["step-000000000001", "step-000000000005"]
         with pytest.raises(FileNotFoundError, match="no such checkpoint"):
             ckpts.delete(9)
-        ckpts.save(6, state(6), blocking=True)  # training resumed from 5 takes another road
+        ckpts.save(state(6), 6, blocking=True)  # training resumed from 5 takes another road
         assert ckpts.steps() == [1, 5, 6]
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
             ckpts.load(9)
         assert differences(ckpts.load(6), state(6)) == []
         for bad in (-1, 2.0, True):
             with pytest.raises(ValueError, match="step must be an integer"):
-                ckpts.save(bad, state(0))  # type: ignore[arg-type]
+                ckpts.save(state(0), bad)  # type: ignore[arg-type]
     for kwargs, message in (({"keep": 0}, "keep must be"), ({"mode": "disk"}, "mode must be"),
                             ({"max_in_flight": 0}, "max_in_flight must be"),
                             ({"rank": 2, "world_size": 2}, "rank must be"), ({"rank": 1}, "needs world_size")):
@@ -142,15 +143,15 @@ def test_steps_increase_and_delete_rolls_back(place: Place) -> None:
 def test_a_step_that_is_complete_is_never_saved_again(place: Place) -> None:
     directory = place.path("ckpts")
     with ckptstream.CheckpointManager(directory, keep=None) as ckpts:
-        ckpts.save(9, state(9), blocking=True)
+        ckpts.save(state(9), 9, blocking=True)
         with pytest.raises(ValueError, match="step 9 is not after step 9"):
-            ckpts.save(9, state(0))
+            ckpts.save(state(0), 9)
     with ckptstream.CheckpointManager(directory, keep=None) as again:  # from the directory alone
         with pytest.raises(ValueError, match="step 9 is not after step 9"):
-            again.save(9, state(0))
+            again.save(state(0), 9)
         with pytest.raises(ValueError, match=r"step must be an integer in \[0, 999999999999\]"):
-            again.save(10**12, state(0))  # its folder's name would not be a step's
-        again.save(10**12 - 1, state(1), blocking=True)
+            again.save(state(0), 10**12)  # its folder's name would not be a step's
+        again.save(state(1), 10**12 - 1, blocking=True)
         assert again.steps() == [9, 10**12 - 1]
     assert differences(again.load(9), state(9)) == []
 
@@ -159,7 +160,7 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     directory, outside = tmp_path / "ckpts", tmp_path / "outside"
     with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
-        ckpts.save(3, state(3), blocking=True)
+        ckpts.save(state(3), 3, blocking=True)
     good = directory / "step-000000000003"
     # complete-looking folders under names the manager does not write, and a link to one
     odd = ["step-1", "step-0005", "step-\u0661\u0662", "step-0000000000007", "step-00000000001x", "Step-000000000004"]
@@ -183,14 +184,14 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
         assert [c.step for c in ckptstream.check_steps(directory)] == [1, 3]
         assert ckptstream.check_step(directory / "step-0005").step is None
         caplog.clear()
-        ckpts.save(4, state(4), blocking=True)  # prunes 3 (keep=1) and the incomplete 1
+        ckpts.save(state(4), 4, blocking=True)  # prunes 3 (keep=1) and the incomplete 1
         said = [(r.name, r.levelname, r.getMessage()[:200]) for r in caplog.records]
         assert ckpts.steps() == [4]
         assert entries(mixed) == ["my-notes.txt"]
         kept = f"kept the folder {mixed}: it holds files the manager did not write (my-notes.txt)"
         assert [(name, level) for name, level, m in said if m.startswith(kept)] == [("ckptstream", "WARNING")], said
         caplog.clear()
-        ckpts.save(5, state(5), blocking=True)  # the folder of the user's file alone: left, unsaid
+        ckpts.save(state(5), 5, blocking=True)  # the folder of the user's file alone: left, unsaid
         assert caplog.records == []
         # delete() of a step holding a file of the user's: the checkpoint goes, the folder stays
         (directory / "step-000000000005" / "my-notes.txt").write_text("mine too")
@@ -210,8 +211,8 @@ def test_only_the_managers_names_are_steps_and_only_its_files_are_removed(tmp_pa
 def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = place.path("ckpts")
     storage = storage_for(directory)
-    ckpts = ckptstream.CheckpointManager(directory, keep=2, buffer_size=4096, num_buffers=2)
-    ckpts.save(1, state(1), blocking=True)
+    ckpts = ckptstream.CheckpointManager(directory, keep=2, settings=Settings(buffer_size=4096, num_buffers=2))
+    ckpts.save(state(1), 1, blocking=True)
     real, count = WriteEngine._write, [0]
 
     def failing(self: WriteEngine, chunk: Any, buf: Any) -> None:
@@ -221,13 +222,13 @@ def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPa
         real(self, chunk, buf)
 
     monkeypatch.setattr(WriteEngine, "_write", failing)
-    handle = ckpts.save(2, state(2))
+    handle = ckpts.save(state(2), 2)
     with pytest.raises(OSError, match="No space left"):
         handle.result()
     assert ckpts.latest_step() == 1
     assert listed(storage.join(directory, "step-000000000002")) == []  # nothing left of the save
     ckpts.wait()  # collected already: not raised again
-    uncollected = ckpts.save(3, state(3))
+    uncollected = ckpts.save(state(3), 3)
     while not uncollected.done():
         time.sleep(0.01)
     with pytest.raises(OSError, match="No space left"):
@@ -235,7 +236,7 @@ def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     with ckptstream.CheckpointManager(directory, keep=2) as again:
         assert again.steps() == [1]
-        again.save(4, state(4))
+        again.save(state(4), 4)
     assert again.steps() == [1, 4]
     assert listed(directory) == ["step-000000000001", "step-000000000004"]
     assert not [n for n in place.names() if "tmp" in n or n.startswith("pending:")]  # no unfinished write left
@@ -244,7 +245,7 @@ def test_a_failed_save_does_not_count(place: Place, monkeypatch: pytest.MonkeyPa
 def test_saved_by_another_number_of_ranks(place: Place) -> None:
     directory = place.path("ckpts")
     with ckptstream.CheckpointManager(directory) as ckpts:
-        ckpts.save(1, state(1), blocking=True)
+        ckpts.save(state(1), 1, blocking=True)
     two = ckptstream.CheckpointManager(directory, rank=0, world_size=2)
     with pytest.raises(ckptstream.StateMismatchError, match="saved by 1 process"):
         two.load()
@@ -260,7 +261,7 @@ def test_two_ranks_through_files_on_any_storage(place: Place) -> None:
              for r in (0, 1)]
     try:
         for step in (1, 2, 3):
-            for handle in [m.save(step, state(10 * r + step)) for r, m in enumerate(ranks)]:
+            for handle in [m.save(state(10 * r + step), step) for r, m in enumerate(ranks)]:
                 handle.result()
         assert [m.steps() for m in ranks] == [[3], [3]]
         for r, m in enumerate(ranks):
@@ -276,7 +277,7 @@ def test_lazy_mode_manager_and_a_device_state(tmp_path: Path, device: torch.devi
     w = random_tensor((1024, 512), device=device)  # 2 MiB: on the CPU too, streamed from the live tensor
     expected = w.cpu().clone()
     with ckptstream.CheckpointManager(tmp_path, mode="lazy") as ckpts:
-        handle = ckpts.save(1, {"w": w})
+        handle = ckpts.save({"w": w}, 1)
         handle.wait_staged()
         w.zero_()
     assert torch.equal(ckpts.load(1)["w"], expected)
@@ -312,7 +313,7 @@ def test_sigkill_during_a_save_leaves_the_previous_step(point: str, tmp_path: Pa
     if point == "pruning":
         assert ckpts.steps() == [1, 2]
         assert torch.equal(ckpts.load()["w"], v * 2)
-    ckpts.save(3, {"w": v * 3, "step": 3}, blocking=True)
+    ckpts.save({"w": v * 3, "step": 3}, 3, blocking=True)
     assert ckpts.steps() == [3]
     assert entries(tmp_path) == ["step-000000000003"]
     assert entries(tmp_path / "step-000000000003") == ["DONE", "state.safetensors"]
@@ -328,24 +329,24 @@ def test_a_crash_during_a_save_leaves_the_previous_step(point: str, mem: MemStor
     published, or as its DONE marker is: the next process finds step 1 the newest, its lock free
     and the dead save's leftovers (an unfinished upload, a file) removed with step 2's folder."""
     directory = "mem://test/ckpts"
-    ckpts = ckptstream.CheckpointManager(directory, keep=1, buffer_size=4096, num_buffers=2)
-    ckpts.save(1, state(1), blocking=True)
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=Settings(buffer_size=4096, num_buffers=2))
+    ckpts.save(state(1), 1, blocking=True)
     writes, publishes = mem.calls["write"], mem.calls["publish"]
     crashes: dict[str, tuple[Step, int]] = {"streaming": ("write", writes + 3), "rank file": ("publish", publishes + 1),
                                             "DONE": ("publish", publishes + 2)}
     mem.faults.crash = crashes[point]
     with pytest.raises(Crash):
-        ckpts.save(2, state(2), blocking=True)
+        ckpts.save(state(2), 2, blocking=True)
     assert [s.name.rsplit("/", 1)[1] for s in mem.pending.values()] == [
         "DONE" if point == "DONE" else "state.safetensors"]
     mem.faults.crash = None
     with pytest.raises(ckptstream.DirectoryLockedError, match=f"process {os.getpid()} on host"):
-        ckptstream.CheckpointManager(directory).save(3, state(3))  # the dead process holds it, yet
+        ckptstream.CheckpointManager(directory).save(state(3), 3)  # the dead process holds it, yet
     mem.restart()
     with ckptstream.CheckpointManager(directory, keep=1) as again:
         assert again.steps() == [1]
         assert differences(again.load(), state(1)) == []
-        again.save(3, state(3), blocking=True)  # prunes step 1, and step 2 with the dead save's leftovers
+        again.save(state(3), 3, blocking=True)  # prunes step 1, and step 2 with the dead save's leftovers
         assert again.steps() == [3]
     assert listed(directory) == ["step-000000000003"]
     assert mem.pending == {}
@@ -354,14 +355,14 @@ def test_a_crash_during_a_save_leaves_the_previous_step(point: str, mem: MemStor
 def test_a_failed_done_publish_fails_the_step_and_keeps_the_previous(mem: MemStorage) -> None:
     directory = "mem://test/ckpts"
     with ckptstream.CheckpointManager(directory, keep=1) as ckpts:
-        ckpts.save(1, state(1), blocking=True)
+        ckpts.save(state(1), 1, blocking=True)
         mem.faults.fail_publish = "/DONE"  # the rank file publishes; its DONE marker does not
         with pytest.raises(OSError, match=r"Input/output error \(injected\).*step-000000000002/DONE"):
-            ckpts.save(2, state(2), blocking=True)
+            ckpts.save(state(2), 2, blocking=True)
         mem.faults.fail_publish = False
         assert ckpts.steps() == [1]  # not pruned: step 2 never completed
         assert listed(directory) == ["step-000000000001", "step-000000000002"]
-        ckpts.save(3, state(3), blocking=True)
+        ckpts.save(state(3), 3, blocking=True)
         assert ckpts.steps() == [3]
     assert listed(directory) == ["step-000000000003"]
     assert mem.pending == {}
@@ -407,7 +408,7 @@ def test_saves_in_flight_together_complete_in_step_order(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(save_async, "write_checkpoint", first_is_late)
     with ckptstream.CheckpointManager(tmp_path, keep=1, max_in_flight=2) as ckpts:
-        first, second = ckpts.save(1, state(1)), ckpts.save(2, state(2))
+        first, second = ckpts.save(state(1), 1), ckpts.save(state(2), 2)
         assert second.result()
         assert first.done()
         assert first.result()

@@ -46,7 +46,7 @@ class Setting:
         self.secret = self.outside / "secret"
         self.secret.write_bytes(os.urandom(5000))
         with ckptstream.CheckpointManager(self.directory, keep=2) as ckpts:
-            ckpts.save(1, state(1), blocking=True)
+            ckpts.save(state(1), 1, blocking=True)
         self.good = self.directory / "step-000000000001"
         self.folder = self.directory / f"step-{HOSTILE:012d}"
         self.folder.mkdir()
@@ -131,7 +131,7 @@ def test_a_hostile_step_is_incomplete_and_never_stops_saving(case: str, tmp_path
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
             ckpts.path(HOSTILE)
         # saving goes on, and pruning removes the step's own files (DONE first), nothing outside
-        ckpts.save(HOSTILE + 1, state(HOSTILE + 1), blocking=True)
+        ckpts.save(state(HOSTILE + 1), HOSTILE + 1, blocking=True)
         assert ckpts.steps() == [HOSTILE + 1]
         assert torch.equal(ckpts.load()["w"], state(HOSTILE + 1)["w"])
     assert s.secret.read_bytes() == secret
@@ -148,7 +148,7 @@ def test_a_deep_done_is_refused_unparsed_whatever_its_size() -> None:
 
 def test_the_reasons_of_a_complete_step_and_of_odd_folders(tmp_path: Path) -> None:
     with ckptstream.CheckpointManager(tmp_path, rank=0, world_size=1) as ckpts:
-        ckpts.save(3, state(3), blocking=True)
+        ckpts.save(state(3), 3, blocking=True)
     (tmp_path / "step-000000000003" / "notes.txt").write_text("mine")
     check = ckptstream.check_step(tmp_path / "step-000000000003")
     assert check.complete
@@ -183,17 +183,17 @@ def test_a_link_planted_as_a_marker_is_replaced_never_followed(marker: str, tmp_
     ranks = [ckptstream.CheckpointManager(s.directory, keep=None, max_in_flight=2, rank=r, world_size=world)
              for r in range(world)]
     try:
-        for handle in [m.save(HOSTILE, state(HOSTILE)) for m in ranks]:
+        for handle in [m.save(state(HOSTILE), HOSTILE) for m in ranks]:
             handle.result()
         folder = s.directory / f"step-{HOSTILE + 1:012d}"
         folder.mkdir()
         link = folder / marker
         link.symlink_to(s.secret)
-        handles = [ranks[-1].save(HOSTILE + 1, state(HOSTILE + 1))]
+        handles = [ranks[-1].save(state(HOSTILE + 1), HOSTILE + 1)]
         if marker != "DONE":  # rank 0 starts once rank 1 has published its READY (over the link, or through it)
             while link.is_symlink() and s.secret.read_bytes() == secret:
                 time.sleep(0.005)
-            handles.append(ranks[0].save(HOSTILE + 1, state(HOSTILE + 1)))
+            handles.append(ranks[0].save(state(HOSTILE + 1), HOSTILE + 1))
         for handle in handles:
             handle.result()
         assert [m.latest_step() for m in ranks] == [HOSTILE + 1] * len(ranks)
@@ -214,7 +214,7 @@ def test_what_lies_in_the_way_of_a_step_folder_is_refused(what: str, tmp_path: P
         in_the_way.symlink_to(s.outside)
     with ckptstream.CheckpointManager(s.directory, keep=None) as ckpts:
         with pytest.raises(FileExistsError, match="is in the way of the step's folder"):
-            ckpts.save(7, state(7))
+            ckpts.save(state(7), 7)
         assert ckpts.steps() == [1]
     assert sorted(os.listdir(s.outside)) == ["secret"]
     assert in_the_way.is_symlink() or in_the_way.read_text() == "mine"

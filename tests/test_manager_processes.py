@@ -123,7 +123,7 @@ def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_free(tmp_path: 
         assert (reader.steps(), reader.latest_step()) == ([1], 1)
         assert torch.equal(reader.load()["w"], torch.arange(1000, dtype=torch.float32))
         assert reader.path() == str(tmp_path / "step-000000000001" / "state.safetensors")
-        for write in (lambda: reader.save(2, state(2)), lambda: reader.delete(1)):
+        for write in (lambda: reader.save(state(2), 2), lambda: reader.delete(1)):
             with pytest.raises(ckptstream.DirectoryLockedError) as info:
                 write()
             message = str(info.value)
@@ -138,14 +138,14 @@ def test_a_second_writer_is_refused_and_a_killed_writers_lock_is_free(tmp_path: 
         child.kill()
         child.communicate()
     assert child.returncode == -signal.SIGKILL
-    reader.save(2, state(2), blocking=True)  # the kernel released the killed writer's lock
+    reader.save(state(2), 2, blocking=True)  # the kernel released the killed writer's lock
     # one writer per rank, also within a process; reading managers are fine
     other = ckptstream.CheckpointManager(tmp_path, keep=3)
     assert other.steps() == [1, 2]
     with pytest.raises(ckptstream.DirectoryLockedError, match=f"process {os.getpid()} "):
-        other.save(3, state(3))
+        other.save(state(3), 3)
     reader.close()
-    other.save(3, state(3), blocking=True)
+    other.save(state(3), 3, blocking=True)
     assert other.steps() == [1, 2, 3]
     other.close()
 
@@ -161,7 +161,7 @@ def test_ranks_of_one_run_each_lock_their_own_rank(tmp_path: Path, spawn: Spawn)
         rank0 = ckptstream.CheckpointManager(tmp_path, rank=0, world_size=2)
         single = ckptstream.CheckpointManager(tmp_path)
         with pytest.raises(ckptstream.DirectoryLockedError, match="as rank 0"):
-            single.save(1, state(1))
+            single.save(state(1), 1)
         rank0.close()
         single.close()
     finally:

@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from tests.helpers import (
     MiB,
     as_bytes,
@@ -159,7 +160,8 @@ BUFFERS = [4096, 4099, 4100]  # 4099: chunk edges cut elements of every size
 
 
 def open_small(path: str, buffer_size: int) -> ckptstream.CheckpointReader:
-    return ckptstream.open(path, buffer_size=buffer_size, num_buffers=2, io_threads=2, direct_io="off")
+    return ckptstream.open(path, settings=Settings(buffer_size=buffer_size, num_buffers=2, io_threads=2,
+                                                   direct_io="off"))
 
 
 @pytest.mark.parametrize("buffer_size", BUFFERS)
@@ -233,13 +235,13 @@ def test_read_slices_and_get_slice(device: torch.device, saved: Any, buffer_size
             box = [(i.indices(n)[0], len(range(*i.indices(n)))) if isinstance(i, slice) else (i % n, 1)
                    for i, n in zip(index, tensors[key].shape, strict=False)]
             offsets, lengths = [o for o, _ in box], [n for _, n in box]
-            out = reader.read_slice(key, offsets, lengths + list(tensors[key].shape[len(box):]), device=device)
+            out = reader.read_slices([(key, offsets, lengths + list(tensors[key].shape[len(box):]), device)])[0]
             assert out.device.type == device.type
             assert_bytes_equal(out, tensors[key][tuple(slice(o, o + n) for o, n in box)])
             if out.dim() >= 2 and out.numel():  # into a poisoned non-contiguous destination
                 base = poisoned_like(out.transpose(0, 1).contiguous())
                 into = base.transpose(0, 1)
-                assert reader.read_slice(key, offsets, list(out.shape), into=into) is into
+                assert reader.read_slices([(key, offsets, list(out.shape), into)])[0] is into
                 assert_bytes_equal(into, out)
         sliced = reader.get_slice("model.w")
         assert sliced.get_shape() == [40, 33]
@@ -247,15 +249,16 @@ def test_read_slices_and_get_slice(device: torch.device, saved: Any, buffer_size
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [
-    (lambda r: r.read_slice("model.w", [41], [1]), IndexError, r"model\.w: dimension 0 of size 40"),
-    (lambda r: r.read_slice("model.w", [0, 30], [1, 4]), IndexError, r"model\.w: dimension 1 of size 33"),
-    (lambda r: r.read_slice("model.w", [-1], [1]), IndexError, r"model\.w"),
-    (lambda r: r.read_slice("model.b", [0, 0], [1, 1]), IndexError, r"model\.b: a slice of a tensor of shape \[33\]"),
+    (lambda r: r.read_slices([("model.w", [41], [1], "cpu")]), IndexError, r"model\.w: dimension 0 of size 40"),
+    (lambda r: r.read_slices([("model.w", [0, 30], [1, 4], "cpu")]), IndexError, r"model\.w: dimension 1 of size 33"),
+    (lambda r: r.read_slices([("model.w", [-1], [1], "cpu")]), IndexError, r"model\.w"),
+    (lambda r: r.read_slices([("model.b", [0, 0], [1, 1], "cpu")]), IndexError,
+     r"model\.b: a slice of a tensor of shape \[33\]"),
     (lambda r: r.get_slice("model.w")[40], IndexError, r"model\.w: index 40 is out of range"),
     (lambda r: r.get_slice("model.w")[::2], IndexError, r"model\.w: only slices of step 1"),
     (lambda r: r.get_slice("model.b")[1, 2], IndexError, r"model\.b: 2 indices for a tensor of 1 dimensions"),
     (lambda r: r.get_slice("model.w")["x"], TypeError, r"model\.w: index with ints and slices"),
-    (lambda r: r.read_slice("views.grid", [0, 21], [1, 1]), IndexError, r"views\.grid"),
+    (lambda r: r.read_slices([("views.grid", [0, 21], [1, 1], "cpu")]), IndexError, r"views\.grid"),
 ], ids=["row_past_end", "columns_past_end", "negative", "too_many_dims", "index", "step", "too_many_indices",
         "not_an_index", "view"])  # fmt: skip
 def test_bad_boxes_name_the_key(saved: Any, call: Any, error: type[Exception], message: str) -> None:
@@ -299,7 +302,7 @@ def test_reading_one_tensor_touches_only_its_bytes(mem: MemStorage) -> None:
     state = {"a": random_tensor(MiB), "b": random_tensor((512, 1024)), "c": random_tensor(MiB)}  # 4 MiB each
     path, file_reads = "mem://test/big.safetensors", mem.reads
     ckptstream.save(state, path)
-    with ckptstream.open(path, buffer_size=256 << 10, num_buffers=2) as reader:
+    with ckptstream.open(path, settings=Settings(buffer_size=256 << 10, num_buffers=2)) as reader:
         e = reader.entry("b")
         file_reads.clear()
         assert_bytes_equal(reader.read("b"), state["b"])
@@ -312,7 +315,7 @@ def test_reading_one_tensor_touches_only_its_bytes(mem: MemStorage) -> None:
             assert_bytes_equal(dst, state["b"])
             assert all(e.offset <= at and at + n <= e.end for at, n in file_reads), file_reads
         file_reads.clear()
-        assert_bytes_equal(reader.read_slice("b", [100], [3]), state["b"][100:103])  # rows 100..102
+        assert_bytes_equal(reader.read_slices([("b", [100], [3], "cpu")])[0], state["b"][100:103])  # rows 100..102
         row = 1024 * 4
         assert file_reads == [(e.offset + 100 * row, 3 * row)]
         file_reads.clear()

@@ -1,5 +1,6 @@
-"""Settings: scoped overrides, per-call arguments, the ``CKPTSTREAM_*`` environment (read at
-the first transfer, never at import), and the four per-call options on every I/O function."""
+"""Settings: scoped overrides, the ``settings=`` argument of every I/O function, the
+``CKPTSTREAM_*`` environment (read at the first transfer, never at import). The deprecated
+per-call keywords are tested in test_api_deprecations.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 import ckptstream
 from ckptstream import DirectIO, Settings, _settings
 from ckptstream._engine.engine import Engine
-from tests.helpers import random_bytes, random_tensor, spy_on_staging
+from ckptstream._export.copy import Copier
+from tests.helpers import assert_bytes_equal, random_bytes, random_tensor, spy_on_staging
 
 ENV = ("CKPTSTREAM_BUFFER_SIZE", "CKPTSTREAM_NUM_BUFFERS", "CKPTSTREAM_IO_THREADS", "CKPTSTREAM_DIRECT_IO")
 
@@ -29,26 +31,26 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_scoping() -> None:
-    base = ckptstream.current_settings()
+    base = _settings.current_settings()
     with ckptstream.settings(buffer_size=12345) as outer:
-        assert ckptstream.current_settings() == outer
+        assert _settings.current_settings() == outer
         assert (outer.buffer_size, outer.num_buffers, outer.io_threads) == (12345, base.num_buffers, base.io_threads)
         with ckptstream.settings(num_buffers=3, io_threads=2) as inner:
             assert (inner.buffer_size, inner.num_buffers, inner.io_threads) == (12345, 3, 2)
-            assert ckptstream.current_settings() == inner
-        assert ckptstream.current_settings() == outer
+            assert _settings.current_settings() == inner
+        assert _settings.current_settings() == outer
         with pytest.raises(ZeroDivisionError), ckptstream.settings(buffer_size=99):
-            _ = 1 // (ckptstream.current_settings().buffer_size - 99)
-        assert ckptstream.current_settings() == outer
-        with pytest.raises(TypeError), ckptstream.settings(buffer_size=1, nope=2):
+            _ = 1 // (_settings.current_settings().buffer_size - 99)
+        assert _settings.current_settings() == outer
+        with pytest.raises(TypeError), ckptstream.settings(buffer_size=1, nope=2):  # type: ignore[call-arg]
             pass
-        assert ckptstream.current_settings() == outer
+        assert _settings.current_settings() == outer
         seen: list[int] = []
-        thread = threading.Thread(target=lambda: seen.append(ckptstream.current_settings().buffer_size))
+        thread = threading.Thread(target=lambda: seen.append(_settings.current_settings().buffer_size))
         thread.start()
         thread.join()
         assert seen == [base.buffer_size]  # scoped to this thread
-    assert ckptstream.current_settings() == base
+    assert _settings.current_settings() == base
 
 
 def test_settings_and_arguments_choose_the_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,9 +58,11 @@ def test_settings_and_arguments_choose_the_buffers(tmp_path: Path, monkeypatch: 
     src, path = random_bytes(10000), tmp_path / "t.bin"
     with ckptstream.settings(buffer_size=1000, num_buffers=2):
         ckptstream.device_to_file(src, path)
-        ckptstream.device_to_file(src, path, buffer_size=3000)
-        ckptstream.file_to_device(path, src.view(100, 100).t(), num_buffers=3)  # non-contiguous: staged
-    assert taken == [(1000, 2), (3000, 2), (1000, 3)]
+        # a Settings value is complete: the fields it leaves out take Settings' defaults, not the scope's
+        ckptstream.device_to_file(src, path, settings=Settings(buffer_size=3000))
+        ckptstream.file_to_device(path, src.view(100, 100).t(), settings=Settings(buffer_size=2000))  # staged
+    # the default 8 buffers, as many as the chunks need: 4 of 3000 bytes, 5 of 2000
+    assert taken == [(1000, 2), (3000, 4), (2000, 5)]
 
 
 def test_bad_settings() -> None:
@@ -66,7 +70,7 @@ def test_bad_settings() -> None:
         pass
     with pytest.raises(ValueError, match="direct_io"), ckptstream.settings(direct_io="yes"):
         pass
-    with pytest.raises(TypeError, match="buffer_sise"), ckptstream.settings(buffer_sise=1 << 20):
+    with pytest.raises(TypeError, match="buffer_sise"), ckptstream.settings(buffer_sise=1 << 20):  # type: ignore[call-arg]
         pass
 
 
@@ -81,7 +85,7 @@ def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, direct in [("auto", DirectIO.AUTO), ("ON", DirectIO.ON), ("Off", DirectIO.OFF)]:
         monkeypatch.setenv("CKPTSTREAM_DIRECT_IO", raw)
         assert _settings._from_environment() == ckptstream.Settings(12288, 3, 2, direct)
-        assert ckptstream.current_settings() == ckptstream.Settings(12288, 3, 2, direct)
+        assert _settings.current_settings() == ckptstream.Settings(12288, 3, 2, direct)
     monkeypatch.setenv("CKPTSTREAM_DIRECT_IO", "maybe")
     with pytest.raises(ValueError, match="CKPTSTREAM_DIRECT_IO"):
         _settings._from_environment()
@@ -109,7 +113,7 @@ def test_environment_takes_the_0_1_0_spellings_of_direct_io(monkeypatch: pytest.
 def test_environment_gives_the_defaults() -> None:
     env = dict(os.environ, CKPTSTREAM_BUFFER_SIZE="8192", CKPTSTREAM_NUM_BUFFERS="5",
                CKPTSTREAM_IO_THREADS="7", CKPTSTREAM_DIRECT_IO="off")
-    code = ("import ckptstream; s = ckptstream.current_settings(); "
+    code = ("from ckptstream import _settings; s = _settings.current_settings(); "
             "print(s.buffer_size, s.num_buffers, s.io_threads, s.direct_io.value)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100, check=True)
     assert out.stdout.split() == ["8192", "5", "7", "off"]
@@ -140,28 +144,79 @@ def test_a_bad_variable_does_not_break_the_import(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
-def _io_calls(tmp_path: Path) -> dict[str, Callable[..., Any]]:
+def _io_calls(tmp_path: Path) -> dict[str, Callable[..., Callable[[], torch.Tensor]]]:
     """Every public I/O function, called on small files made beforehand (with the environment
-    unset), taking per-call options as keyword arguments."""
-    t = random_tensor(1000)
+    unset), taking ``settings=`` (or the deprecated keywords) as keyword arguments; each returns
+    a function that gives what it moved (read back where it wrote a file), to compare byte for
+    byte with ``TENSOR``."""
+    t = TENSOR.clone()
     ckpt = tmp_path / "c.safetensors"
     raw = tmp_path / "t.bin"
     ckptstream.save({"w": t}, ckpt)
     ckptstream.device_to_file(t, raw)
 
-    def read_with_open(**kw: Any) -> Any:
+    def saved(path: Path) -> Callable[[], torch.Tensor]:
+        return lambda: ckptstream.load(path, mmap=False)["w"]
+
+    def save(**kw: Any) -> Callable[[], torch.Tensor]:
+        ckptstream.save({"w": t}, tmp_path / "s.safetensors", **kw)
+        return saved(tmp_path / "s.safetensors")
+
+    def save_async(**kw: Any) -> Callable[[], torch.Tensor]:
+        ckptstream.save_async({"w": t}, tmp_path / "a.safetensors", **kw).result()
+        return saved(tmp_path / "a.safetensors")
+
+    def verify(**kw: Any) -> Callable[[], torch.Tensor]:
+        ckptstream.verify(ckpt, **kw)
+        return saved(ckpt)
+
+    def read_with_open(**kw: Any) -> Callable[[], torch.Tensor]:
         with ckptstream.open(ckpt, **kw) as reader:
-            return reader.read("w")
+            out = reader.read("w")
+        return lambda: out
+
+    def device_to_file(**kw: Any) -> Callable[[], torch.Tensor]:
+        ckptstream.device_to_file(t, tmp_path / "d.bin", **kw)
+        return lambda: torch.frombuffer(bytearray((tmp_path / "d.bin").read_bytes()), dtype=t.dtype)
+
+    def file_to_device(**kw: Any) -> Callable[[], torch.Tensor]:
+        out = torch.full_like(t, float("nan"))
+        ckptstream.file_to_device(raw, out, **kw)
+        return lambda: out
+
+    def export_hf(**kw: Any) -> Callable[[], torch.Tensor]:
+        ckptstream.export_hf(ckpt, tmp_path / "hf", **kw)
+        return saved(tmp_path / "hf" / "model.safetensors")
+
+    def manager(**kw: Any) -> Callable[[], torch.Tensor]:
+        with ckptstream.CheckpointManager(tmp_path / "ckpts", keep=1, **kw) as ckpts:
+            ckpts.save({"w": t}, (ckpts.latest_step() or 0) + 1, blocking=True)
+            return saved(Path(ckpts.path()))
+
+    def load_into(**kw: Any) -> Callable[[], torch.Tensor]:
+        out = torch.full_like(t, float("nan"))
+        ckptstream.load_into({"w": out}, ckpt, **kw)
+        return lambda: out
+
+    def load(**kw: Any) -> Callable[[], torch.Tensor]:
+        out = ckptstream.load(ckpt, mmap=False, **kw)["w"]  # the copying load runs the engine
+        return lambda: out
 
     return {
-        "save": lambda **kw: ckptstream.save({"w": t}, tmp_path / "s.safetensors", **kw),
-        "load": lambda **kw: ckptstream.load(ckpt, mmap=False, **kw),  # the copying load runs the engine
-        "load_into": lambda **kw: ckptstream.load_into({"w": torch.empty(1000)}, ckpt, **kw),
-        "verify": lambda **kw: ckptstream.verify(ckpt, **kw),
+        "save": save,
+        "save_async": save_async,
+        "load": load,
+        "load_into": load_into,
+        "verify": verify,
         "open": read_with_open,
-        "device_to_file": lambda **kw: ckptstream.device_to_file(t, tmp_path / "d.bin", **kw),
-        "file_to_device": lambda **kw: ckptstream.file_to_device(raw, torch.empty(1000), **kw),
+        "device_to_file": device_to_file,
+        "file_to_device": file_to_device,
+        "export_hf": export_hf,
+        "CheckpointManager": manager,
     }
+
+
+TENSOR = random_tensor(1000)
 
 
 @pytest.fixture
@@ -175,39 +230,53 @@ def engines_made(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
         real(self, file, pieces, cfg, **kwargs)
 
     monkeypatch.setattr(Engine, "__init__", spy)
+    copier = Copier.__init__  # export_hf's own engine
+
+    def spy_copier(self: Copier, tensors: Any, begins: Any, data_start: int, sink: Any, cfg: Settings,
+                   *args: Any) -> None:
+        made.append(cfg)
+        copier(self, tensors, begins, data_start, sink, cfg, *args)
+
+    monkeypatch.setattr(Copier, "__init__", spy_copier)
     return made
 
 
-CALLS = ["save", "load", "load_into", "verify", "open", "device_to_file", "file_to_device"]
+CALLS = ["save", "save_async", "load", "load_into", "verify", "open", "device_to_file", "file_to_device", "export_hf",
+         "CheckpointManager"]
+CHOSEN = Settings(buffer_size=12288, num_buffers=3, io_threads=2, direct_io=DirectIO.OFF)
 
 
 @pytest.mark.usefixtures("clean_environment")
 @pytest.mark.parametrize("call", CALLS)
-def test_every_io_function_takes_the_four_options(tmp_path: Path, engines_made: list[Settings], call: str) -> None:
+def test_every_io_function_takes_a_settings_value(tmp_path: Path, engines_made: list[Settings], call: str) -> None:
+    """``settings=`` is the whole of the call's settings; without it, those in force."""
     run = _io_calls(tmp_path)[call]
-    engines_made.clear()
-    run(buffer_size=12288, num_buffers=3, io_threads=2, direct_io="off")
-    assert engines_made
-    assert set(engines_made) == {Settings(12288, 3, 2, DirectIO.OFF)}
-    engines_made.clear()
-    with ckptstream.settings(buffer_size=8192, num_buffers=5, io_threads=3, direct_io="auto"):
-        run(num_buffers=4)  # the others inherit the scope's
-        run(buffer_size=None, num_buffers=None, io_threads=None, direct_io=None)  # None: inherit, as in 0.1.0
-        run(buffer_size=ckptstream.INHERIT, direct_io=ckptstream.INHERIT)
-    assert engines_made[0] == Settings(8192, 4, 3, DirectIO.AUTO)
-    assert set(engines_made[1:]) == {Settings(8192, 5, 3, DirectIO.AUTO)}
-    with pytest.raises(ValueError, match="num_buffers"):
-        run(num_buffers=0)
-    with pytest.raises(ValueError, match="direct_io"):
-        run(direct_io="sometimes")
+    scopes: list[dict[str, Any]] = [{}, {"buffer_size": 8192, "num_buffers": 5, "io_threads": 3, "direct_io": "auto"}]
+    for scope in scopes:
+        with ckptstream.settings(**scope) as in_force:
+            engines_made.clear()
+            got = run()
+            assert engines_made
+            assert set(engines_made) == {in_force}
+            assert_bytes_equal(got(), TENSOR)
+            engines_made.clear()
+            got = run(settings=CHOSEN)  # over the scope, whole
+            assert set(engines_made) == {CHOSEN}
+            assert_bytes_equal(got(), TENSOR)
+    with pytest.raises(TypeError, match=r"settings=\.\.\.\) takes a ckptstream\.Settings .* got dict"):
+        run(settings={"buffer_size": 8192})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'buffer_sise'"):
+        run(buffer_sise=8192)
 
 
-@pytest.mark.usefixtures("clean_environment")
-def test_read_metadata_takes_the_four_options(tmp_path: Path) -> None:
-    """read_metadata is an I/O function too: it takes the same per-call options as the others."""
+def test_read_metadata_reads_only_the_header(tmp_path: Path, engines_made: list[Settings]) -> None:
+    """read_metadata runs no transfer, so it takes no settings."""
     ckptstream.save({"w": random_tensor(3)}, tmp_path / "c.safetensors", metadata={"k": "v"})
-    assert ckptstream.read_metadata(tmp_path / "c.safetensors", buffer_size=8192, num_buffers=2,
-                                    io_threads=1, direct_io="off") == {"k": "v"}
+    engines_made.clear()
+    assert ckptstream.read_metadata(tmp_path / "c.safetensors") == {"k": "v"}
+    assert engines_made == []
+    with pytest.raises(TypeError, match="unexpected keyword argument 'settings'"):
+        ckptstream.read_metadata(tmp_path / "c.safetensors", settings=CHOSEN)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("call", CALLS)

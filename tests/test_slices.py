@@ -1,4 +1,4 @@
-"""Boxes of stored tensors: ``read_slice`` with offsets and lengths for some dimensions only, and
+"""Boxes of stored tensors: ``read_slices`` with offsets and lengths for some dimensions only, and
 ``get_slice`` indexing with negative and clipped bounds, compared with what torch's own indexing
 gives for many random shapes; reads into a destination of another dtype are refused."""
 
@@ -33,14 +33,14 @@ def test_offsets_without_lengths_box_to_the_end_of_each_dimension(stored: Any) -
     path, tensors = stored
     w = tensors["t0"]  # (40, 33)
     with ckptstream.open(path) as reader:
-        rows = reader.read_slice("t0", [5])
+        rows = reader.read_slices([("t0", [5], None, "cpu")])[0]
         assert rows.shape == (35, 33)
         assert_bytes_equal(rows, w[5:])
-        assert_bytes_equal(reader.read_slice("t0", [5, 30]), w[5:, 30:])
-        assert_bytes_equal(reader.read_slice("t0", [5, 30], [2]), w[5:7, 30:])
-        assert_bytes_equal(reader.read_slice("t0", []), w)
+        assert_bytes_equal(reader.read_slices([("t0", [5, 30], None, "cpu")])[0], w[5:, 30:])
+        assert_bytes_equal(reader.read_slices([("t0", [5, 30], [2], "cpu")])[0], w[5:7, 30:])
+        assert_bytes_equal(reader.read_slices([("t0", [], None, "cpu")])[0], w)
         with pytest.raises(IndexError, match=r"t0: dimension 0 of size 40 has no elements 41\.\.40"):
-            reader.read_slice("t0", [41])
+            reader.read_slices([("t0", [41], None, "cpu")])[0]
 
 
 @st.composite
@@ -68,7 +68,7 @@ def test_read_slice_gives_what_torch_indexing_gives(stored: Any, box: tuple[str,
                   for d, o in enumerate(offsets))
     expected = t[index]
     with ckptstream.open(path) as reader:
-        got = reader.read_slice(key, offsets, lengths)
+        got = reader.read_slices([(key, offsets, lengths, "cpu")])[0]
     assert got.shape == expected.shape, (t.shape, offsets, lengths)
     assert_bytes_equal(got, expected)
 
@@ -142,6 +142,6 @@ def test_reading_into_another_dtype_is_refused_not_reinterpreted(stored: Any, dt
                                  r"\[40, 33\]; read\(\) it and convert with \.to\(\)"):
             reader.read_into("t0", dst)
         with pytest.raises(ckptstream.StateMismatchError, match=rf"the destination is {dtype} \[5, 33\]"):
-            reader.read_slice("t0", [3], [5], into=part)
+            reader.read_slices([("t0", [3], [5], part)])[0]
     assert is_poisoned(dst)
     assert is_poisoned(part)

@@ -372,7 +372,7 @@ def test_writes_lie_on_the_grid_a_sink_asks_for(mem: MemStorage, part: int, monk
         return sinks[-1]
 
     monkeypatch.setattr(mem, "create", keep)
-    ckptstream.save(state, path, buffer_size=2 * part, num_buffers=3, io_threads=3)
+    ckptstream.save(state, path, settings=ckptstream.Settings(buffer_size=2 * part, num_buffers=3, io_threads=3))
     (sink,) = sinks
     size = len(mem.objects[path])
     header = [w for w in sink.writes if w[0] == 0]
@@ -383,7 +383,7 @@ def test_writes_lie_on_the_grid_a_sink_asks_for(mem: MemStorage, part: int, monk
     for offset, length in data:
         assert offset == data[0][0] or offset % part == 0, (offset, length)
         assert (offset + length) % part == 0 or offset + length == size, (offset, length)
-    loaded = ckptstream.load(path, buffer_size=2 * part)
+    loaded = ckptstream.load(path, settings=ckptstream.Settings(buffer_size=2 * part))
     for k, t in state.items():
         assert_bytes_equal(loaded[k], t)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, TruncatedFileError
+from ckptstream import CorruptCheckpointError, Settings, TruncatedFileError
 from tests.helpers import Resources, assert_same_state, poisoned_like
 from tests.memstore import Crash, MemStorage
 
@@ -31,15 +31,15 @@ def make_state(seed: int) -> dict[str, Any]:
 @pytest.fixture
 def old(mem: MemStorage) -> bytes:
     """A checkpoint to save over (its bytes); the engine warmed up."""
-    ckptstream.save(make_state(1), PATH, **SMALL)
-    ckptstream.load(PATH, **SMALL)
+    ckptstream.save(make_state(1), PATH, settings=Settings(**SMALL))
+    ckptstream.load(PATH, settings=Settings(**SMALL))
     return mem.objects[PATH]
 
 
 def writes_of_a_save(mem: MemStorage) -> int:
     """How many writes a save of ``make_state`` makes (the header, the chunks, the header again)."""
     before = mem.calls["write"]
-    ckptstream.save(make_state(2), "mem://test/probe.safetensors", **SMALL)
+    ckptstream.save(make_state(2), "mem://test/probe.safetensors", settings=Settings(**SMALL))
     mem.remove("mem://test/probe.safetensors")
     return mem.calls["write"] - before
 
@@ -61,20 +61,20 @@ def test_a_failed_write_keeps_the_old_object(mem: MemStorage, old: bytes, where:
     k = {"header": 1, "first_chunk": 2, "middle_chunk": writes // 2, "checksum_header": writes}[where]
     mem.faults.fail_write, mem.faults.error = mem.calls["write"] + k, error
     with pytest.raises(type(error(PATH))) as info:
-        ckptstream.save(make_state(3), PATH, **SMALL)
+        ckptstream.save(make_state(3), PATH, settings=Settings(**SMALL))
     if isinstance(info.value, OSError):
         assert info.value.filename == PATH
     assert mem.objects[PATH] == old
     assert mem.pending == {}  # the unfinished object is dropped
     resources.assert_released()
-    ckptstream.save(make_state(3), PATH, **SMALL)  # and the next save works
+    ckptstream.save(make_state(3), PATH, settings=Settings(**SMALL))  # and the next save works
     assert_same_state(ckptstream.load(PATH), make_state(3))
 
 
 def test_a_failed_publish_keeps_the_old_object(mem: MemStorage, old: bytes) -> None:
     mem.faults.fail_publish = True
     with pytest.raises(OSError, match="injected"):
-        ckptstream.save(make_state(3), PATH, **SMALL)
+        ckptstream.save(make_state(3), PATH, settings=Settings(**SMALL))
     assert mem.objects[PATH] == old
     assert mem.pending == {}
     assert mem.calls["write"] > 0
@@ -87,22 +87,22 @@ def test_a_crash_mid_save_leaves_the_old_object_and_an_upload_the_next_save_remo
     mem.faults.crash = ("write", mem.calls["write"] + n) if step == "write" else ("publish", mem.calls["publish"] + n)
     resources = Resources.snapshot()
     with pytest.raises(Crash):
-        ckptstream.save(make_state(3), PATH, **SMALL)
+        ckptstream.save(make_state(3), PATH, settings=Settings(**SMALL))
     resources.assert_released()
     mem.restart()  # what the crash left: the old object, and the dead writer's pending upload
     assert mem.objects[PATH] == old
     assert [s.name for s in mem.pending.values()] == [PATH]
     assert_same_state(ckptstream.load(PATH), make_state(1))
-    ckptstream.save(make_state(4), PATH, **SMALL)
+    ckptstream.save(make_state(4), PATH, settings=Settings(**SMALL))
     assert mem.pending == {}
     assert_same_state(ckptstream.load(PATH), make_state(4))
 
 
 READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "load": lambda state: ckptstream.load(PATH, **SMALL),
-    "verify": lambda state: ckptstream.verify(PATH, **SMALL),
-    "load_into": lambda state: ckptstream.load_into(state, PATH, **SMALL),
-    "read": lambda state: ckptstream.open(PATH, **SMALL).read("a"),
+    "load": lambda state: ckptstream.load(PATH, settings=Settings(**SMALL)),
+    "verify": lambda state: ckptstream.verify(PATH, settings=Settings(**SMALL)),
+    "load_into": lambda state: ckptstream.load_into(state, PATH, settings=Settings(**SMALL)),
+    "read": lambda state: ckptstream.open(PATH, settings=Settings(**SMALL)).read("a"),
 }
 
 

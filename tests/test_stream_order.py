@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine import streams
 from tests.streamsim import SimDevices
 
@@ -57,7 +58,7 @@ def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
 
         simulated_gpu.producer(kernel)  # queued kernels produce the values
     path = tmp_path / "s.safetensors"
-    ckptstream.save(state, path, **SMALL)
+    ckptstream.save(state, path, settings=Settings(**SMALL))
     written = _file_state(path)
     for k, v in final.items():
         assert torch.equal(written[k], v.contiguous()), k
@@ -65,7 +66,7 @@ def test_save_copies_after_the_callers_kernels_and_writes_after_the_copies(
 
 def test_device_to_file_writes_after_the_copies(simulated_gpu: SimDevices, tmp_path: Path) -> None:
     src = torch.randn(10_000).reshape(100, 100).t()
-    ckptstream.device_to_file(src, tmp_path / "t.bin", **SMALL)
+    ckptstream.device_to_file(src, tmp_path / "t.bin", settings=Settings(**SMALL))
     assert (tmp_path / "t.bin").read_bytes() == src.contiguous().numpy().tobytes()
 
 
@@ -123,7 +124,7 @@ def test_runs_of_small_cuda_tensors_keep_stream_order(tmp_path: Path) -> None:
     for k, v in expected.items():
         state[k].copy_(v)  # queued behind the spinning kernel
     path = tmp_path / "small.safetensors"
-    ckptstream.save(state, path, buffer_size=64 << 10, num_buffers=3)
+    ckptstream.save(state, path, settings=Settings(buffer_size=64 << 10, num_buffers=3))
     written = _file_state(path)
     assert all(torch.equal(written[k], v.cpu()) for k, v in expected.items())
     targets = {k: torch.full_like(v, 7.0) for k, v in expected.items()}
@@ -131,9 +132,9 @@ def test_runs_of_small_cuda_tensors_keep_stream_order(tmp_path: Path) -> None:
     torch.cuda._sleep(SLEEP_CYCLES)  # earlier work on the destinations: the load must not overtake it
     for t in targets.values():
         t.fill_(5.0)
-    ckptstream.load_into(targets, path, buffer_size=64 << 10, num_buffers=3)
+    ckptstream.load_into(targets, path, settings=Settings(buffer_size=64 << 10, num_buffers=3))
     seen = {k: t * 1 for k, t in targets.items()}  # at once, on the caller's stream
-    loaded = ckptstream.load(path, device="cuda", buffer_size=64 << 10, num_buffers=3)
+    loaded = ckptstream.load(path, device="cuda", settings=Settings(buffer_size=64 << 10, num_buffers=3))
     seen_loaded = {k: t * 1 for k, t in loaded.items()}
     torch.cuda.synchronize()
     for k, v in expected.items():
@@ -147,9 +148,9 @@ def test_the_staging_pool_keeps_one_kind_of_buffer(tmp_path: Path) -> None:
     ckptstream.release_staging()
     src = torch.randn(200_000)
     path = tmp_path / "t.bin"
-    ckptstream.device_to_file(src, path, buffer_size=64 << 10, num_buffers=4, direct_io="off")
+    ckptstream.device_to_file(src, path, settings=Settings(buffer_size=64 << 10, num_buffers=4, direct_io="off"))
     assert ckptstream.staging_bytes() == 4 * (64 << 10)
     dst = torch.empty(400, 500).t()  # not contiguous: staged
-    ckptstream.file_to_device(path, dst, buffer_size=32 << 10, num_buffers=8)
+    ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=32 << 10, num_buffers=8))
     assert ckptstream.staging_bytes() == 8 * (32 << 10)
     assert torch.equal(dst.reshape(-1), src)

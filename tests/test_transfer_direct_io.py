@@ -37,9 +37,10 @@ def test_direct_io_setting_decides_o_direct(tmp_path: Path, monkeypatch: pytest.
 
     def round_trip(buffer_size: int) -> list[bool]:
         opened.clear()
-        ckptstream.device_to_file(src, path, buffer_size=buffer_size)
-        dst = poisoned_like(src)
-        ckptstream.file_to_device(path, dst, buffer_size=buffer_size)
+        with ckptstream.settings(buffer_size=buffer_size):  # and the direct_io of the scope around
+            ckptstream.device_to_file(src, path)
+            dst = poisoned_like(src)
+            ckptstream.file_to_device(path, dst)
         assert_bytes_equal(dst, src)
         return list(opened)
 
@@ -90,11 +91,13 @@ def test_direct_io_needs_aligned_buffers(tmp_path: Path) -> None:
     path = tmp_path / "t.bin"
     path.write_bytes(b"keep me")
     src = random_bytes(100)
-    with ckptstream.settings(direct_io="on"):
-        with pytest.raises(ValueError, match="multiple of 4096"):
-            ckptstream.device_to_file(src, path, buffer_size=10000)
-        with pytest.raises(ValueError, match="multiple of 4096"):
-            ckptstream.file_to_device(path, src, buffer_size=4097)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        ckptstream.device_to_file(src, path, settings=ckptstream.Settings(buffer_size=10000, direct_io="on"))
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        ckptstream.file_to_device(path, src, settings=ckptstream.Settings(buffer_size=4097, direct_io="on"))
+    with ckptstream.settings(direct_io="on"), pytest.raises(ValueError, match="multiple of 4096"), \
+            ckptstream.settings(buffer_size=10000):
+        pass
     with pytest.raises(ValueError, match="multiple of 4096"), ckptstream.settings(direct_io="on", buffer_size=5000):
         pass
     assert path.read_bytes() == b"keep me"  # rejected before the file was opened (and truncated)
@@ -107,8 +110,9 @@ def test_direct_io_keeps_a_read_only_descriptor_read_only(tmp_path: Path) -> Non
     path.write_bytes(bytes(8192))
     fd = os.open(path, os.O_RDONLY)
     try:
-        with ckptstream.settings(direct_io="on"), pytest.raises(OSError, match="Bad file descriptor") as info:
-            ckptstream.device_to_file(random_bytes(4096), fd, offset=0, buffer_size=4096)  # one aligned block
+        one_block = ckptstream.Settings(buffer_size=4096, direct_io="on")
+        with pytest.raises(OSError, match="Bad file descriptor") as info:
+            ckptstream.device_to_file(random_bytes(4096), fd, offset=0, settings=one_block)
         assert info.value.errno == errno.EBADF
     finally:
         os.close(fd)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio
@@ -42,11 +43,11 @@ def test_bad_buffer_arguments(tmp_path: Path, name: str, value: Any) -> None:
     path.write_bytes(b"keep me")
     t = random_bytes(10)
     with pytest.raises(ValueError, match=name):
-        ckptstream.device_to_file(t, path, **{name: value})
+        ckptstream.device_to_file(t, path, settings=ckptstream.Settings(**{name: value}))
     with pytest.raises(ValueError, match=name):
-        ckptstream.file_to_device(path, t, **{name: value})
+        ckptstream.file_to_device(path, t, settings=ckptstream.Settings(**{name: value}))
     with pytest.raises(ValueError, match=name), ckptstream.settings(**{name: value}):
-        pass
+        ckptstream.device_to_file(t, path)
     assert path.read_bytes() == b"keep me"
 
 
@@ -75,7 +76,7 @@ def test_expanded_destination_is_refused(tmp_path: Path) -> None:
     path.write_bytes(as_bytes(random_bytes(4 * 5 * 4)))
     dst = poisoned_like(torch.empty(5)).expand(4, 5)
     with open(path, "rb") as f, pytest.raises(ValueError, match="expanded"):
-        ckptstream.file_to_device(f, dst, buffer_size=7)
+        ckptstream.file_to_device(f, dst, settings=Settings(buffer_size=7))
     assert as_bytes(dst) == bytes([POISON_BYTE]) * 80
 
 
@@ -93,7 +94,7 @@ def test_os_errors_keep_errno_and_name_the_file(device: torch.device, tmp_path: 
     before = Resources.snapshot()
     for dst in (t, t.view(40, 25).t()):  # read straight into the tensor, and through staging buffers
         with pytest.raises(IsADirectoryError) as info2:  # open succeeds; the read fails in an I/O thread
-            ckptstream.file_to_device(tmp_path, dst, buffer_size=1000)
+            ckptstream.file_to_device(tmp_path, dst, settings=Settings(buffer_size=1000))
         assert info2.value.errno == errno.EISDIR
         assert str(tmp_path) in str(info2.value)
         before.assert_released()
@@ -103,7 +104,7 @@ def test_os_errors_keep_errno_and_name_the_file(device: torch.device, tmp_path: 
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="Bad file descriptor") as info3:
-            ckptstream.device_to_file(t, fd, buffer_size=1000)
+            ckptstream.device_to_file(t, fd, settings=Settings(buffer_size=1000))
         assert info3.value.errno == errno.EBADF
         assert str(path) in str(info3.value)
     finally:
@@ -119,11 +120,11 @@ def _transfer(direction: str, src: torch.Tensor, path: Path, **kw: Any) -> None:
     ``read`` into a contiguous one, ``read_staged`` into its transpose (through the staging
     buffers)."""
     if direction == "write":
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
     elif direction == "read":
-        ckptstream.file_to_device(path, poisoned_like(src), **kw)
+        ckptstream.file_to_device(path, poisoned_like(src), settings=Settings(**kw))
     else:
-        ckptstream.file_to_device(path, poisoned_like(src.reshape(-1)).view(64, -1).t(), **kw)
+        ckptstream.file_to_device(path, poisoned_like(src.reshape(-1)).view(64, -1).t(), settings=Settings(**kw))
 
 
 def _eio(path: str) -> OSError:
@@ -142,7 +143,7 @@ def test_failure_in_an_io_thread(device: torch.device, tmp_path: Path, monkeypat
     file where it is a host tensor; ``read_staged`` goes through the staging buffers.)"""
     src = random_bytes(32 * 256, device)  # 32 chunks of 256 bytes
     path = tmp_path / "t.bin"
-    ckptstream.device_to_file(src, path, buffer_size=256, num_buffers=3)  # warm up the device
+    ckptstream.device_to_file(src, path, settings=Settings(buffer_size=256, num_buffers=3))  # warm up the device
     before = Resources.snapshot()
     names = ("pwrite_all",) if direction == "write" else READ_CALLS
     calls = fail_on_call(k, lambda *args: None, exc)  # one count over every primitive patched
@@ -178,7 +179,7 @@ def test_failure_in_the_device_copies(device: torch.device, tmp_path: Path, monk
     base = random_tensor((64, 128), torch.float32, device)
     src = base if layout == "contiguous" else base.t()
     path = tmp_path / "t.bin"
-    ckptstream.device_to_file(src, path, buffer_size=1024)  # warm up; the read below needs the file
+    ckptstream.device_to_file(src, path, settings=Settings(buffer_size=1024))  # warm up; the read below needs the file
     before = Resources.snapshot()
     if direction == "write":
         fail_kth_call(monkeypatch, WriteEngine, ("_move",), k, lambda: exc("injected"), after=True)
@@ -200,12 +201,12 @@ def test_pool_reuses_buffers(device: torch.device, tmp_path: Path, monkeypatch: 
     kw: dict[str, Any] = {"buffer_size": 3001, "num_buffers": 3}  # a size no other test uses
 
     def round_trip() -> None:
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
         dst = poisoned_like(src)
-        ckptstream.file_to_device(path, dst, **kw)
+        ckptstream.file_to_device(path, dst, settings=Settings(**kw))
         assert_bytes_equal(dst, src)
         staged = poisoned_like(src).view(500, 100).t()  # a read through the staging buffers
-        ckptstream.file_to_device(path, staged, **kw)
+        ckptstream.file_to_device(path, staged, settings=Settings(**kw))
         assert_bytes_equal(staged, src.view(100, 500))
 
     round_trip()
@@ -217,13 +218,14 @@ def test_pool_reuses_buffers(device: torch.device, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(fileio, "pwrite_all", fail_on_call(2, fileio.pwrite_all, _eio))
     with pytest.raises(OSError, match="injected"):
-        ckptstream.device_to_file(src, path, **kw)
+        ckptstream.device_to_file(src, path, settings=Settings(**kw))
     assert POOL.idle_bytes() == idle
     assert POOL.in_use == 0
 
 
 def test_pool_takes_no_more_buffers_than_chunks(tmp_path: Path) -> None:
-    ckptstream.device_to_file(random_bytes(5000), tmp_path / "t.bin", buffer_size=3011, num_buffers=8)
+    ckptstream.device_to_file(random_bytes(5000), tmp_path / "t.bin", settings=Settings(buffer_size=3011,
+                                                                                        num_buffers=8))
     assert POOL.idle_bytes() == 2 * 3011  # two chunks; the pool keeps this kind of buffer only
 
 
@@ -235,10 +237,10 @@ def test_reads_into_host_tensors_take_no_staging_buffers(tmp_path: Path, monkeyp
     ckptstream.device_to_file(src, path)
     taken = spy_on_staging(monkeypatch)
     dst = poisoned_like(src)
-    ckptstream.file_to_device(path, dst, buffer_size=3019, num_buffers=2)
+    ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=3019, num_buffers=2))
     assert taken == []
     assert_bytes_equal(dst, src)
     staged = poisoned_like(src).view(200, 200).t()
-    ckptstream.file_to_device(path, staged, buffer_size=3019, num_buffers=2)
+    ckptstream.file_to_device(path, staged, settings=Settings(buffer_size=3019, num_buffers=2))
     assert taken == [(3019, 2)]
     assert_bytes_equal(staged, src.view(200, 200))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import DirectIO
+from ckptstream import DirectIO, Settings
 from ckptstream._storage import fileio
 from tests.helpers import (
     POISON_BYTE,
@@ -75,9 +75,9 @@ def test_header_tensors_tail_through_one_file(device: torch.device, tmp_path: Pa
     f = _File(kind, path, "w")
     try:
         f.write(header)  # still in the object's buffer when device_to_file starts (buffered)
-        assert ckptstream.device_to_file(t1, f.file, buffer_size=1000) == 4004
+        assert ckptstream.device_to_file(t1, f.file, settings=Settings(buffer_size=1000)) == 4004
         assert f.tell() == 22 + 4004
-        assert ckptstream.device_to_file(t2, f.file, buffer_size=1000, num_buffers=1) == 462
+        assert ckptstream.device_to_file(t2, f.file, settings=Settings(buffer_size=1000, num_buffers=1)) == 462
         assert f.tell() == 22 + 4004 + 462
         f.write(tail)
     finally:
@@ -88,9 +88,9 @@ def test_header_tensors_tail_through_one_file(device: torch.device, tmp_path: Pa
     try:
         assert f.read(len(header)) == header  # a buffered reader has read ahead past the header
         d1, d2 = poisoned_like(t1), poisoned_like(t2.t()).t()
-        assert ckptstream.file_to_device(f.file, d1, buffer_size=777) == 4004
+        assert ckptstream.file_to_device(f.file, d1, settings=Settings(buffer_size=777)) == 4004
         assert f.tell() == 22 + 4004
-        assert ckptstream.file_to_device(f.file, d2, buffer_size=100) == 462
+        assert ckptstream.file_to_device(f.file, d2, settings=Settings(buffer_size=100)) == 462
         assert f.tell() == 22 + 4004 + 462
         assert f.read() == tail
     finally:
@@ -104,14 +104,14 @@ def test_read_write_object_round_trip(device: torch.device, tmp_path: Path) -> N
     t1, t2 = random_tensor(300, torch.int16, device), random_tensor(77, torch.float64, device)
     with open(tmp_path / "s.bin", "w+b") as f:
         f.write(b"abc")
-        ckptstream.device_to_file(t1, f, buffer_size=64)
-        ckptstream.device_to_file(t2, f, buffer_size=64)
+        ckptstream.device_to_file(t1, f, settings=Settings(buffer_size=64))
+        ckptstream.device_to_file(t2, f, settings=Settings(buffer_size=64))
         f.write(b"xyz")
         f.seek(0)
         assert f.read(3) == b"abc"
         d1, d2 = poisoned_like(t1), poisoned_like(t2)
-        ckptstream.file_to_device(f, d1, buffer_size=50)
-        ckptstream.file_to_device(f, d2, buffer_size=50)
+        ckptstream.file_to_device(f, d1, settings=Settings(buffer_size=50))
+        ckptstream.file_to_device(f, d2, settings=Settings(buffer_size=50))
         assert f.read() == b"xyz"
     assert_bytes_equal(d1, t1)
     assert_bytes_equal(d2, t2)
@@ -138,8 +138,8 @@ def test_append_mode_file(device: torch.device, tmp_path: Path, kind: str) -> No
     patch = random_bytes(10, device)
     f: Any = open(path, "ab") if kind == "object" else os.open(path, os.O_WRONLY | os.O_APPEND)  # noqa: SIM115
     try:
-        with ckptstream.settings(io_threads=4, num_buffers=4):
-            assert ckptstream.device_to_file(src, f, buffer_size=1024) == 64 * KiB
+        many = Settings(buffer_size=1024, num_buffers=4, io_threads=4)
+        assert ckptstream.device_to_file(src, f, settings=many) == 64 * KiB
         assert (f.tell() if kind == "object" else os.lseek(f, 0, os.SEEK_CUR)) == 4 + 64 * KiB
         ckptstream.device_to_file(patch, f, offset=1)
         if kind == "object":
@@ -191,12 +191,12 @@ def test_explicit_offset_in_an_existing_file(device: torch.device, tmp_path: Pat
     path.write_bytes(existing)
     src = random_tensor(2500, torch.float32, device)  # 10000 bytes: ends inside a page
     dst = poisoned_like(src)
-    kw: dict[str, Any] = {"offset": offset, "buffer_size": buffer_size}
     if direct_io is DirectIO.ON and buffer_size % 4096:
-        with pytest.raises(ValueError, match="multiple of 4096"):
-            ckptstream.device_to_file(src, path, **kw)
+        with pytest.raises(ValueError, match="multiple of 4096"), ckptstream.settings(buffer_size=buffer_size):
+            ckptstream.device_to_file(src, path, offset=offset)
         assert path.read_bytes() == existing
         return
+    kw: dict[str, Any] = {"offset": offset, "settings": Settings(buffer_size=buffer_size, direct_io=direct_io)}
     _offset_round_trip(target, path, src, dst, kw)
     assert path.read_bytes() == existing[:offset] + as_bytes(src) + existing[offset + 10000:]
     assert_bytes_equal(dst, src)
@@ -207,7 +207,7 @@ def test_offset_past_the_end_extends_the_file(device: torch.device, tmp_path: Pa
     path = tmp_path / "t.bin"
     path.write_bytes(b"x" * 100)
     src = random_bytes(5000, device)
-    assert ckptstream.device_to_file(src, path, offset=8195, buffer_size=4096) == 5000
+    assert ckptstream.device_to_file(src, path, offset=8195, settings=Settings(buffer_size=4096)) == 5000
     assert path.read_bytes() == b"x" * 100 + bytes(8095) + as_bytes(src)
 
 
@@ -217,7 +217,7 @@ def test_offset_past_the_end_extends_the_file(device: torch.device, tmp_path: Pa
 def _expect_short(file: Any, path: Path, dst: torch.Tensor, offset: int | None, reported_offset: int,
                   found: int) -> None:
     with pytest.raises(ckptstream.TruncatedFileError) as info:
-        ckptstream.file_to_device(file, dst, offset=offset, buffer_size=256)
+        ckptstream.file_to_device(file, dst, offset=offset, settings=Settings(buffer_size=256))
     e = info.value
     assert isinstance(e, ckptstream.CkptStreamError)
     assert isinstance(e, EOFError)
@@ -269,7 +269,9 @@ def test_file_shrinking_during_the_read(device: torch.device, tmp_path: Path, di
     dst = base if layout == "contiguous" else base.t()
     before = Resources.snapshot()
     with pytest.raises(ckptstream.TruncatedFileError) as info:
-        ckptstream.file_to_device(path, dst, offset=offset, buffer_size=4096 if direct_io is DirectIO.ON else 512)
+        ckptstream.file_to_device(path, dst, offset=offset,
+                                  settings=Settings(buffer_size=4096 if direct_io is DirectIO.ON else 512,
+                                                    direct_io=direct_io))
     e = info.value
     assert (e.path, e.offset, e.expected, e.found) == (str(path), offset, 3000, 1000 - offset)
     before.assert_released()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine.buffers import POOL, StagingBuffer
 from tests.helpers import POISON_BYTE, as_bytes, assert_bytes_equal, poisoned_like, random_tensor
 
@@ -30,16 +31,16 @@ def caller_stream(mode: str) -> torch.cuda.Stream:
 def save(mode: str, t: torch.Tensor, path: Path, s: torch.cuda.Stream) -> int:
     """device_to_file, told about ``s`` as the mode says: stream=s, or s made current."""
     if mode == "explicit_stream":
-        return ckptstream.device_to_file(t, path, buffer_size=MiB, stream=s)
+        return ckptstream.device_to_file(t, path, stream=s, settings=Settings(buffer_size=MiB))
     with torch.cuda.stream(s):
-        return ckptstream.device_to_file(t, path, buffer_size=MiB)
+        return ckptstream.device_to_file(t, path, settings=Settings(buffer_size=MiB))
 
 
 def load(mode: str, path: Path, t: torch.Tensor, s: torch.cuda.Stream) -> int:
     if mode == "explicit_stream":
-        return ckptstream.file_to_device(path, t, buffer_size=MiB, stream=s)
+        return ckptstream.file_to_device(path, t, stream=s, settings=Settings(buffer_size=MiB))
     with torch.cuda.stream(s):
-        return ckptstream.file_to_device(path, t, buffer_size=MiB)
+        return ckptstream.file_to_device(path, t, settings=Settings(buffer_size=MiB))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -130,9 +131,9 @@ def test_staging_buffers_are_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(POOL, "acquire", spy)
     src = random_tensor(MiB, torch.float32, "cuda")
-    ckptstream.device_to_file(src, tmp_path / "t.bin", buffer_size=MiB, num_buffers=4)  # 4 chunks
+    ckptstream.device_to_file(src, tmp_path / "t.bin", settings=Settings(buffer_size=MiB, num_buffers=4))  # 4 chunks
     dst = poisoned_like(src)
-    ckptstream.file_to_device(tmp_path / "t.bin", dst, buffer_size=MiB, num_buffers=4)
+    ckptstream.file_to_device(tmp_path / "t.bin", dst, settings=Settings(buffer_size=MiB, num_buffers=4))
     assert_bytes_equal(dst, src)
     assert len(used) == 8
     assert all(b.pinned and b.tensor.is_pinned() for b in used)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import DirectIO
+from ckptstream import DirectIO, Settings
 from tests.helpers import (
     EDGE_CASE_NAMES,
     EDGE_CASES,
@@ -17,6 +17,7 @@ from tests.helpers import (
     MiB,
     as_bytes,
     assert_bytes_equal,
+    buffers,
     nbytes,
     poisoned_like,
     random_bytes,
@@ -32,10 +33,12 @@ def test_seed_matrix(device: torch.device, tmp_path: Path, n: int, write_size: i
                      num_buffers: int) -> None:
     src = random_tensor(n, torch.float32, device)
     path = tmp_path / "t.bin"
-    assert ckptstream.device_to_file(src, path, buffer_size=write_size, num_buffers=num_buffers) == 4 * n
+    assert ckptstream.device_to_file(src, path, settings=Settings(buffer_size=write_size,
+                                                                  num_buffers=num_buffers)) == 4 * n
     assert path.read_bytes() == as_bytes(src)
     dst = poisoned_like(src)
-    assert ckptstream.file_to_device(path, dst, buffer_size=read_size, num_buffers=num_buffers) == 4 * n
+    assert ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=read_size,
+                                                                  num_buffers=num_buffers)) == 4 * n
     assert_bytes_equal(dst, src)
 
 
@@ -48,13 +51,13 @@ def test_edge_case_round_trip(device: torch.device, tmp_path: Path, case: EdgeCa
     and a read fills the same kind of view without touching the storage around it."""
     src = case.source(device)
     path = tmp_path / "t.bin"
-    assert ckptstream.device_to_file(src, path, buffer_size=write_size) == nbytes(src)
+    assert ckptstream.device_to_file(src, path, settings=buffers(write_size)) == nbytes(src)
     assert path.read_bytes() == as_bytes(src)
     if case.writable:
         base, dst = case.destination(device)
     else:  # an expanded view cannot be a destination: read its bytes into a plain tensor
         base = dst = poisoned_like(src)
-    assert ckptstream.file_to_device(path, dst, buffer_size=read_size) == nbytes(src)
+    assert ckptstream.file_to_device(path, dst, settings=buffers(read_size)) == nbytes(src)
     assert_bytes_equal(dst, src)
     if case.writable:
         assert_bytes_equal(base, case.expected_base(src))
@@ -78,10 +81,10 @@ def test_zero_bytes(device: torch.device, tmp_path: Path) -> None:
 def test_one_byte(device: torch.device, tmp_path: Path) -> None:
     path = tmp_path / "t.bin"
     src = random_bytes(1, device)
-    assert ckptstream.device_to_file(src, path, buffer_size=1, num_buffers=1) == 1
+    assert ckptstream.device_to_file(src, path, settings=Settings(buffer_size=1, num_buffers=1)) == 1
     assert path.read_bytes() == as_bytes(src)
     dst = poisoned_like(src)
-    assert ckptstream.file_to_device(path, dst, buffer_size=1) == 1
+    assert ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=1)) == 1
     assert_bytes_equal(dst, src)
 
 
@@ -92,12 +95,14 @@ def test_odd_sizes(device: torch.device, tmp_path: Path, direct_io: DirectIO, si
     path = tmp_path / "t.bin"
     if direct_io is DirectIO.ON and buffer_size % 4096:
         with pytest.raises(ValueError, match="multiple of 4096"):
-            ckptstream.device_to_file(src, path, buffer_size=buffer_size)
+            ckptstream.device_to_file(src, path, settings=Settings(buffer_size=buffer_size, direct_io=direct_io))
         return
-    assert ckptstream.device_to_file(src, path, buffer_size=buffer_size, num_buffers=3) == size
+    assert ckptstream.device_to_file(src, path, settings=Settings(buffer_size=buffer_size, num_buffers=3,
+                                                                  direct_io=direct_io)) == size
     assert path.read_bytes() == as_bytes(src)
     dst = poisoned_like(src)
-    assert ckptstream.file_to_device(path, dst, buffer_size=buffer_size, num_buffers=2) == size
+    assert ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=buffer_size, num_buffers=2,
+                                                                  direct_io=direct_io)) == size
     assert_bytes_equal(dst, src)
 
 
@@ -105,10 +110,10 @@ def test_odd_sizes(device: torch.device, tmp_path: Path, direct_io: DirectIO, si
 def test_buffer_sizes_not_multiples_of_4096(device: torch.device, tmp_path: Path, buffer_size: int) -> None:
     src = random_tensor(1001 if buffer_size < 1000 else 30001, torch.float16, device)  # odd element counts
     path = tmp_path / "t.bin"
-    assert ckptstream.device_to_file(src, path, buffer_size=buffer_size) == nbytes(src)
+    assert ckptstream.device_to_file(src, path, settings=buffers(buffer_size)) == nbytes(src)
     assert path.read_bytes() == as_bytes(src)
     dst = poisoned_like(src)
-    ckptstream.file_to_device(path, dst, buffer_size=buffer_size + 2)
+    ckptstream.file_to_device(path, dst, settings=Settings(buffer_size=buffer_size + 2))
     assert_bytes_equal(dst, src)
 
 
@@ -116,9 +121,9 @@ def test_parameter_round_trip(device: torch.device, tmp_path: Path) -> None:
     """Leaves that require grad are read and written in place, without autograd errors."""
     p = torch.nn.Parameter(random_tensor((17, 3), torch.float32, device))
     path = tmp_path / "p.bin"
-    ckptstream.device_to_file(p, path, buffer_size=20)
+    ckptstream.device_to_file(p, path, settings=Settings(buffer_size=20))
     q = torch.nn.Parameter(poisoned_like(p.detach()))
-    ckptstream.file_to_device(path, q, buffer_size=28)
+    ckptstream.file_to_device(path, q, settings=Settings(buffer_size=28))
     assert_bytes_equal(q.detach(), p.detach())
     assert q.requires_grad
     assert q.grad_fn is None

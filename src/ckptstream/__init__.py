@@ -1,5 +1,7 @@
 """ckptstream: stream training state between GPU memory and disk through a few pinned buffers."""
 
+from typing import TYPE_CHECKING
+
 from ._checkpoint.load import load, open, read_metadata, verify
 from ._checkpoint.load_into import load_into
 from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
@@ -31,13 +33,32 @@ from ._errors import (
 )
 from ._export.export import HFExport, export_hf
 from ._manager.manager import CheckpointManager, StepCheck, check_step, check_steps
-from ._settings import INHERIT, DirectIO, Settings, current_settings, settings
+from ._settings import DirectIO, Settings, settings
 
 __version__ = "0.1.0"
 
+# 0.1.0's public helpers of the per-call keywords, which ``settings=`` replaced
+_DEPRECATED = {
+    "INHERIT": "ckptstream.INHERIT is deprecated with the per-call buffer_size=... keywords: leave settings= "
+               "out (None) to use the settings in force",
+    "current_settings": "ckptstream.current_settings() is deprecated: `with ckptstream.settings() as s:` gives "
+                        "the settings in force, and settings=ckptstream.Settings(...) a complete value for one call",
+}
+
+if not TYPE_CHECKING:  # type checkers see them gone
+
+    def __getattr__(name: str) -> object:
+        if name in _DEPRECATED:
+            import warnings
+
+            from . import _settings
+
+            warnings.warn(_DEPRECATED[name], DeprecationWarning, stacklevel=2)
+            return getattr(_settings, name)
+        raise AttributeError(f"module 'ckptstream' has no attribute {name!r}")
+
 __all__ = [
     "AsyncMode",
-    "INHERIT",
     "AccessDeniedError",
     "BucketNotFoundError",
     "CheckpointManager",
@@ -67,7 +88,6 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedStorageError",
     "UnsupportedTypeError",
-    "current_settings",
     "device_to_file",
     "export_hf",
     "file_to_device",

@@ -12,8 +12,12 @@ import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Iterator
-from typing import Any, Final
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
@@ -41,7 +45,7 @@ class DirectIO(str, enum.Enum):
 
 
 class _Inherit:
-    """The default of every per-call option: take the value from the settings in force."""
+    """0.1.0's default of the per-call options (deprecated with them): the value in force."""
 
     _instance: _Inherit | None = None
 
@@ -57,9 +61,12 @@ class _Inherit:
 INHERIT: Final = _Inherit()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Settings:
-    """Defaults for every transfer; per-call arguments override them.
+    """The settings of a transfer: those in force (the defaults, the ``CKPTSTREAM_*``
+    environment, ``with ckptstream.settings(...)``), or a value built here and given to one
+    call as ``settings=`` (complete: the fields it leaves out take these defaults). Frozen, and
+    checked when built.
 
     Attributes:
         buffer_size: bytes per staging buffer (pinned on a GPU machine).
@@ -67,26 +74,36 @@ class Settings:
         io_threads: threads doing file I/O (and checksums) per transfer.
         direct_io: "auto" uses O_DIRECT for writes where the file system and alignment allow
             (reads keep the page cache), "on" forces it (an error where the file system
-            refuses it; buffer_size must be a multiple of 4096), "off" never uses it.
+            refuses it; buffer_size must be a multiple of 4096), "off" never uses it. Given as
+            a ``DirectIO``, its value, or True / False / None (on / off / auto).
         hot_io_threads: I/O threads of a load into host memory (or a verify) whose bytes the
             page cache already holds (such a load is bound by memory copies, not by the disk),
             up to the number of cores; the same staging memory is split among them. Loads into
             a GPU keep io_threads. Set it to io_threads to turn this off.
+
+    Raises:
+        ValueError: a value out of range, naming it.
+
+    Example:
+        >>> big = ckptstream.Settings(buffer_size=64 << 20, num_buffers=4, direct_io="off")
+        >>> ckptstream.save(state, "ckpt.safetensors", settings=big)
     """
 
-    # Defaults from the staging sweep (docs/benchmarks.md).
-    buffer_size: int = 16 * MiB
-    num_buffers: int = 8
-    io_threads: int = 8
-    direct_io: DirectIO = DirectIO.AUTO
-    hot_io_threads: int = 16
+    buffer_size: int
+    num_buffers: int
+    io_threads: int
+    direct_io: DirectIO
+    hot_io_threads: int
 
-    def __post_init__(self) -> None:
-        for name in ("buffer_size", "num_buffers", "io_threads", "hot_io_threads"):
-            value = getattr(self, name)
+    # Defaults from the staging sweep (docs/benchmarks.md).
+    def __init__(self, buffer_size: int = 16 * MiB, num_buffers: int = 8, io_threads: int = 8,
+                 direct_io: DirectIO | str | bool | None = DirectIO.AUTO, hot_io_threads: int = 16) -> None:
+        for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers), ("io_threads", io_threads),
+                            ("hot_io_threads", hot_io_threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        object.__setattr__(self, "direct_io", DirectIO.parse(self.direct_io))
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "direct_io", DirectIO.parse(direct_io))
         if self.direct_io is DirectIO.ON and self.buffer_size % ALIGN:
             # checked here, before a transfer opens (and maybe truncates) its file
             raise ValueError(f"direct_io='on' needs buffer_size to be a multiple of {ALIGN}, got {self.buffer_size}")
@@ -130,8 +147,18 @@ def current_settings() -> Settings:
     return _current.get() or _from_environment()
 
 
+class SettingsFields(TypedDict, total=False):
+    """The fields of Settings, as ``ckptstream.settings(...)`` takes them."""
+
+    buffer_size: int
+    num_buffers: int
+    io_threads: int
+    direct_io: DirectIO | str | bool | None
+    hot_io_threads: int
+
+
 @contextlib.contextmanager
-def settings(**overrides: Any) -> Iterator[Settings]:
+def settings(**overrides: Unpack[SettingsFields]) -> Iterator[Settings]:
     """Override the defaults inside a ``with`` block (this thread / context only).
 
     Example:
@@ -142,19 +169,69 @@ def settings(**overrides: Any) -> Iterator[Settings]:
     unknown = set(overrides) - set(known)
     if unknown:
         raise TypeError(f"unknown setting(s) {sorted(unknown)}; known: {known}")
-    token = _current.set(dataclasses.replace(current_settings(), **overrides))
+    given: dict[str, Any] = dict(overrides)  # checked by Settings
+    token = _current.set(dataclasses.replace(current_settings(), **given))
     try:
         yield current_settings()
     finally:
         _current.reset(token)
 
 
-def call_settings(*, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
-            direct_io: Any = INHERIT) -> Settings:
-    """Settings for one call: those in force, with the call's arguments that are not INHERIT
-    (None too, as 0.1.0 spelled "inherit")."""
-    given = {name: value for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers),
-                                             ("io_threads", io_threads), ("direct_io", direct_io))
-             if value is not INHERIT and value is not None}
+class LegacyKeywords(TypedDict, total=False):
+    """The per-call keywords that ``settings=`` replaces (accepted, with a DeprecationWarning)."""
+
+    buffer_size: int | None
+    num_buffers: int | None
+    io_threads: int | None
+    direct_io: DirectIO | str | bool | None
+
+
+LEGACY_KEYWORDS: Final = ("buffer_size", "num_buffers", "io_threads", "direct_io")
+
+
+def _reject_unknown(where: str, given: Mapping[str, object]) -> None:
+    unknown = [name for name in given if name not in LEGACY_KEYWORDS]
+    if unknown:  # what Python says for a keyword the signature lacks
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def check_settings(settings: object, where: str) -> Settings | None:
+    """``settings`` when it is a Settings or None, else a TypeError naming the call."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise TypeError(f"{where}(settings=...) takes a ckptstream.Settings (or None: the settings in force), "
+                        f"got {type(settings).__name__}; build one with ckptstream.Settings(buffer_size=..., ...)")
+    return settings
+
+
+def legacy_overrides(where: str, legacy: Mapping[str, object], settings: object = None, *,
+                     stacklevel: int = 3) -> dict[str, object]:
+    """The deprecated per-call keywords of ``where`` that were given, with a DeprecationWarning
+    that names the new way (``settings=`` or the ``with ckptstream.settings(...)`` scope);
+    None (as 0.1.0 spelled "inherit") and ``INHERIT`` values are dropped. Raises TypeError for
+    an unknown keyword, or for the keywords together with ``settings=``."""
+    _reject_unknown(where, legacy)
+    if not legacy:
+        return {}
+    names = ", ".join(f"{name}=..." for name in legacy)
+    if settings is not None:
+        raise TypeError(f"{where}() takes settings= or the deprecated {names}, not both: put them in the Settings")
+    warnings.warn(f"{where}({names}) is deprecated: pass settings=ckptstream.Settings({names}) (a complete "
+                  "value), or change the settings in force with `with ckptstream.settings(...)`",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return {name: value for name, value in legacy.items() if value is not None and value is not INHERIT}
+
+
+def overlay(overrides: Mapping[str, object]) -> Settings:
+    """The settings in force with ``overrides`` (the deprecated per-call keywords) applied."""
     base = current_settings()
-    return dataclasses.replace(base, **given) if given else base
+    return dataclasses.replace(base, **overrides) if overrides else base  # type: ignore[arg-type]
+
+
+def per_call(where: str, settings: object, legacy: Mapping[str, object]) -> Settings:
+    """The settings of one call of the public ``where``: ``settings`` as given (a complete value),
+    else the settings in force with the deprecated keywords applied (see ``legacy_overrides``)."""
+    given = check_settings(settings, where)
+    overrides = legacy_overrides(where, legacy, given, stacklevel=4)
+    if given is not None:
+        return given
+    return overlay(overrides)

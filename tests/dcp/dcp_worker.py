@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptstream
 import ckptstream.dcp
+from ckptstream import Settings
 from ckptstream._storage import fileio
 from ckptstream.bench.measure import PeakRss
 from tests.dcp.dcp_helpers import (
@@ -202,8 +203,8 @@ def save_async(ctx: Ctx, state: dict[str, Any]) -> None:
         live = {**state, "model": {k: v.clone() for k, v in state["model"].items()},
                 "ints": state["ints"].clone(), "tiny": state["tiny"].clone(), "plain": state["plain"].clone(),
                 "scalar": state["scalar"].clone(), "extra": dict(state["extra"])}
-        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", mode=mode, buffer_size=4096,
-                                             num_buffers=2)
+        writer = ckptstream.dcp.StreamWriter(ctx.workdir / f"async-{mode}", mode=mode,
+                                             settings=Settings(buffer_size=4096, num_buffers=2))
         future = dcp.async_save(live, storage_writer=writer)
         assert isinstance(future, Future), future  # the writer stages at once: no AsyncSaveResponse
         if mode != "device":  # "host": orders the change below after the copies into host memory
@@ -323,7 +324,8 @@ def scenario_kill(ctx: Ctx) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         fileio.pwrite_all = pwrite_then_die
-    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "bad", buffer_size=1 << 16, num_buffers=2, io_threads=1)
+    writer = ckptstream.dcp.StreamWriter(ctx.workdir / "bad", settings=Settings(buffer_size=1 << 16, num_buffers=2,
+                                                                                io_threads=1))
     try:
         dcp.save(state, storage_writer=writer)
     except Exception as e:  # rank 0: its peer is gone
@@ -422,14 +424,14 @@ def scenario_memory(ctx: Ctx) -> None:
     # a first save and load of 4 MiB per rank: what is built on first use (the staging pool,
     # the GPU checksum kernel) is not the state's cost
     warm = {"w": DTensor.from_local(torch.randn(1024, 1024, device=ctx.device), ctx.mesh, [Shard(0)])}
-    dcp.save(warm, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "warm", **options))
-    dcp.load(warm, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "warm", **options))
+    dcp.save(warm, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "warm", settings=Settings(**options)))
+    dcp.load(warm, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "warm", settings=Settings(**options)))
     synchronize(ctx)
     with PeakRss() as saving:
-        dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "big", **options))
+        dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(ctx.workdir / "big", settings=Settings(**options)))
     loaded = {k: DTensor.from_local(poisoned_like(v.to_local()), ctx.mesh, [Shard(0)]) for k, v in state.items()}
     with PeakRss() as loading:
-        dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "big", **options))
+        dcp.load(loaded, storage_reader=ckptstream.dcp.StreamReader(ctx.workdir / "big", settings=Settings(**options)))
         synchronize(ctx)
     for key in state:
         assert torch.equal(loaded[key].to_local(), state[key].to_local()), key

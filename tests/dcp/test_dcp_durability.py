@@ -78,7 +78,7 @@ def test_dcp_save_unlinks_old_metadata_then_publishes_rank_files_then_metadata(t
     directory = os.path.realpath(ckpt)
     metadata, rank_file = os.path.join(directory, ".metadata"), os.path.join(directory, RANK0)
     trace = UnlinkTrace(monkeypatch)
-    save_1(state(2), ckpt, **OPTS)
+    save_1(state(2), ckpt, settings=OPTS)
     monkeypatch.undo()
     events = trace.events
     removed = [i for i, e in enumerate(events) if e == ("unlink", metadata)]

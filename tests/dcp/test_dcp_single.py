@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 import ckptstream
 import ckptstream.dcp
+from ckptstream import Settings
 from ckptstream.dcp import StreamReader, StreamWriter
 from tests.dcp.dcp_helpers import (
     assert_same,
@@ -42,8 +43,8 @@ SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2}  # chunks that c
 @pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "no-checksum"])
 def test_round_trip_edge_cases(tmp_path: Path, checksum: bool) -> None:
     state = edge_state()
-    save_1(state, tmp_path / "ckpt", checksum=checksum, **SMALL)
-    loaded = load_1(fresh_destination(state), tmp_path / "ckpt", **SMALL)
+    save_1(state, tmp_path / "ckpt", checksum=checksum, settings=Settings(**SMALL))
+    loaded = load_1(fresh_destination(state), tmp_path / "ckpt", settings=Settings(**SMALL))
     assert_same(loaded, state)
     with ckptstream.open(tmp_path / "ckpt" / "rank-00000.safetensors") as reader:
         assert reader.checksummed is checksum
@@ -96,7 +97,7 @@ def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str, 
     state = _on(edge_state(), device)
     want = {k: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
     save_1(state, tmp_path / "sync")
-    writer = StreamWriter(tmp_path / "async", mode=mode, **SMALL)
+    writer = StreamWriter(tmp_path / "async", mode=mode, settings=Settings(**SMALL))
     future = single_process(dcp.async_save, state, storage_writer=writer)
     if mode != "device":  # "host": orders the change below after the copies on a GPU
         assert writer.wait_staged(timeout=60)
@@ -114,7 +115,7 @@ def test_async_save_stages_then_writes_the_same_file(tmp_path: Path, mode: str, 
 
 def test_writer_and_reader_pickle(tmp_path: Path) -> None:
     """DCP's process executor pickles the writer into another process."""
-    writer = pickle.loads(pickle.dumps(StreamWriter(tmp_path / "ckpt", mode="lazy", **SMALL)))
+    writer = pickle.loads(pickle.dumps(StreamWriter(tmp_path / "ckpt", mode="lazy", settings=Settings(**SMALL))))
     assert writer.wait_staged(timeout=0)
     state = {"w": torch.randn(300, 7)}
     single_process(dcp.save, state, storage_writer=writer)
@@ -136,7 +137,7 @@ def test_read_slices_verifies_whole_tensors(tmp_path: Path) -> None:
         f.seek(entry.end - 4)
         f.write(b"\x00\x00\xc0\x7f")
     with ckptstream.open(path) as reader:
-        assert same_bits(reader.read_slice("w", [0, 0], [63, 32]), w[:63])
+        assert same_bits(reader.read_slices([("w", [0, 0], [63, 32], "cpu")])[0], w[:63])
         with pytest.raises(ckptstream.CorruptCheckpointError, match=r"tensor 'w' fails its CRC-32C check"):
             reader.read_slices([("w", [0, 0], None, "cpu"), ("v", [0], None, "cpu")])
         assert not same_bits(reader.read_slices([("w", [0], None, "cpu")], checksum=False)[0], w)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckptstream
 import ckptstream.dcp
-from ckptstream import ExportError
+from ckptstream import ExportError, Settings
 from tests.dcp.dcp_helpers import HERE, finish_ranks, single_process, worker_env
 from tests.hfutil import assert_reloads, check_folder, tiny_config, tiny_gpt2
 
@@ -51,8 +51,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _export_and_reload(src: Path, out: Path, **options: Any) -> dict[str, torch.Tensor]:
-    result = ckptstream.export_hf(src, out, max_shard_size="40KB", buffer_size=8192, num_buffers=3, io_threads=3,
-                                  **options)
+    result = ckptstream.export_hf(src, out, max_shard_size="40KB",
+                                  **options, settings=Settings(buffer_size=8192, num_buffers=3, io_threads=3))
     assert result.tied == {}  # DCP records no sharing: both names are written, and from_pretrained ties them
     tiny_config().save_pretrained(out)
     tensors = check_folder(out)
@@ -79,7 +79,8 @@ def test_a_dim_1_shard_interleaves_its_rows(saved: Path) -> None:
 
 
 def test_a_bf16_export_of_dim_1_shards_is_torchs_cast(saved: Path, tmp_path: Path) -> None:
-    ckptstream.export_hf(saved / "shard1", tmp_path / "hf", dtype="bf16", buffer_size=4096, num_buffers=2)
+    ckptstream.export_hf(saved / "shard1", tmp_path / "hf", dtype="bf16", settings=Settings(buffer_size=4096,
+                                                                                            num_buffers=2))
     got = check_folder(tmp_path / "hf")
     for name, t in tiny_gpt2().state_dict().items():
         assert torch.equal(got[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
@@ -98,7 +99,7 @@ def test_a_damaged_chunk_fails_its_checksum(saved: Path, tmp_path: Path) -> None
         f.seek(entry.offset + 777)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"c_proj\.weight.*fails its CRC-32C check"):
-        ckptstream.export_hf(copy, tmp_path / "hf", buffer_size=4096)
+        ckptstream.export_hf(copy, tmp_path / "hf", settings=Settings(buffer_size=4096))
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
 
 
@@ -168,4 +169,4 @@ def test_chunks_that_overlap_are_refused(saved: Path, tmp_path: Path) -> None:
     metadata.storage_data[MetadataIndex(fqn, [16, 0])] = record
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"two chunks hold element 4096 of 'transformer"):
-        ckptstream.export_hf(copy, tmp_path / "hf", buffer_size=4096)
+        ckptstream.export_hf(copy, tmp_path / "hf", settings=Settings(buffer_size=4096))

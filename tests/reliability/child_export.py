@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._export import copy
 from ckptstream._storage import files
 
@@ -63,7 +64,8 @@ def main() -> int:
     what, src, out, arg = sys.argv[1:5]
     if what == "kill":
         kill_at(arg)
-        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", buffer_size=8192, num_buffers=2)
+        ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", settings=Settings(buffer_size=8192,
+                                                                                                 num_buffers=2))
         print("finished", flush=True)
         return 0
     from ckptstream.bench.measure import PeakRss
@@ -72,7 +74,7 @@ def main() -> int:
         largest = max(e.nbytes for e in reader.entries())
     gc.collect()
     with PeakRss() as peak:
-        ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, **SETTINGS)
+        ckptstream.export_hf(src, out, dtype=None if arg == "none" else arg, settings=Settings(**SETTINGS))
         staging = ckptstream.staging_bytes()
     print(json.dumps({"growth": peak.growth, "staging": staging, "largest": largest}))
     return 0

@@ -41,7 +41,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, hard))
     report: dict[str, Any] = {"save": None, "device_to_file": None}
     try:
-        ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct)
+        ckptstream.save(big, path, settings=ckptstream.Settings(buffer_size=256 * KiB, direct_io=direct))
     except OSError as e:
         report["save"] = error_report(e)
     with open(path, "rb") as f:
@@ -52,7 +52,7 @@ def main() -> None:
 
     raw = os.path.join(directory, "raw.bin")
     try:
-        ckptstream.device_to_file(big["w"], raw, buffer_size=256 * KiB)
+        ckptstream.device_to_file(big["w"], raw, settings=ckptstream.Settings(buffer_size=256 * KiB))
     except OSError as e:
         report["device_to_file"] = error_report(e)
 
@@ -61,7 +61,7 @@ def main() -> None:
     ckptstream.save(old, other)
     assert_same_state(ckptstream.load(other), old)
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
-    ckptstream.save(big, path, buffer_size=256 * KiB, direct_io=direct)
+    ckptstream.save(big, path, settings=ckptstream.Settings(buffer_size=256 * KiB, direct_io=direct))
     assert_same_state(ckptstream.load(path), big)
     report["recovered"] = True
     print(json.dumps(report))

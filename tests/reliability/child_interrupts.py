@@ -27,7 +27,7 @@ import ckptstream
 from ckptstream._engine.buffers import POOL
 from ckptstream._storage import fileio
 
-SMALL: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 3}
+SMALL = ckptstream.Settings(buffer_size=64 << 10, num_buffers=3, io_threads=3)
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -113,7 +113,7 @@ def main() -> int:
     fileio.pread_into = slowed(fileio.pread_into)
     state = {"w": torch.randn(1 << 19), "t": torch.randn(300, 301).t(), "step": 1}
     path = os.path.join(directory, "ckpt.safetensors")
-    ckptstream.save(state, path, **SMALL)
+    ckptstream.save(state, path, settings=SMALL)
     baseline = file_fds()
     counts: Counts = {"interrupted": 0, "completed": 0, "failures": []}
     for r in range(rounds):
@@ -125,9 +125,9 @@ def main() -> int:
         try:
             thread.start()  # a signal may land before start() returns: it is caught below too
             if op == "save":
-                ckptstream.save(state, path, **SMALL)
+                ckptstream.save(state, path, settings=SMALL)
             else:
-                ckptstream.load(path, mmap=False, **SMALL)  # the read engine (a mapped load has no threads)
+                ckptstream.load(path, mmap=False, settings=SMALL)  # the read engine (a mapped load has no threads)
             signal.signal(signal.SIGINT, count_late)
         except KeyboardInterrupt:
             # before anything else: a later signal of the burst is counted, not raised into the

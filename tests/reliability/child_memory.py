@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream.bench.measure import PeakRss
 
 SETTINGS: dict[str, Any] = {"buffer_size": 4 << 20, "num_buffers": 4, "io_threads": 4}  # 16 MiB of staging
@@ -40,7 +41,7 @@ def main() -> int:
     s = state(mib)
     nbytes = sum(v.numel() * v.element_size() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "tied")
     if op != "save":
-        ckptstream.save(s, path, **SETTINGS)
+        ckptstream.save(s, path, settings=Settings(**SETTINGS))
         ckptstream.release_staging()
     target: dict[str, Any] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
     target["tied"] = target["w"]
@@ -51,11 +52,11 @@ def main() -> int:
     gc.collect()
     with PeakRss() as peak:
         if op == "save":
-            ckptstream.save(s, path, **SETTINGS)
+            ckptstream.save(s, path, settings=Settings(**SETTINGS))
         elif op == "load":
-            out = ckptstream.load(path, **SETTINGS)
+            out = ckptstream.load(path, settings=Settings(**SETTINGS))
         else:
-            ckptstream.load_into(target, path, **SETTINGS)
+            ckptstream.load_into(target, path, settings=Settings(**SETTINGS))
         staging = ckptstream.staging_bytes()
     if op == "load":
         assert all(torch.equal(out[k], v) for k, v in s.items() if isinstance(v, torch.Tensor))

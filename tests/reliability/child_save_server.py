@@ -55,7 +55,8 @@ def writer(path: str, state: object, direct_io: str, buffer_size: int, num_buffe
     install_probes(marks)
     emit(f"start {os.getpid()}")
     t0 = time.monotonic()
-    ckptstream.save(state, path, buffer_size=buffer_size, num_buffers=num_buffers, direct_io=direct_io)
+    ckptstream.save(state, path, settings=ckptstream.Settings(buffer_size=buffer_size, num_buffers=num_buffers,
+                                                              direct_io=direct_io))
     t1 = time.monotonic()
     emit(f"done {os.getpid()} " + json.dumps({"total": t1 - t0, **{k: v - t0 for k, v in marks.items()}}))
 

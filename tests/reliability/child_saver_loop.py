@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import ckptstream
+from ckptstream import Settings
 from tests.reliability.relutil import MiB, training_state
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     for v in range(first, last + 1):
         version[0] = v
         expect("go")
-        ckptstream.save(training_state(v, size_mib * MiB), path, buffer_size=1 * MiB, num_buffers=2)
+        ckptstream.save(training_state(v, size_mib * MiB), path, settings=Settings(buffer_size=1 * MiB, num_buffers=2))
         tell(f"saved {v}")
 
 

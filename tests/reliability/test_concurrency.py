@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptstream
+from ckptstream import Settings
 from tests.helpers import child_env
 from tests.reliability.relutil import (
     MiB,
@@ -54,16 +55,17 @@ def run_threads(targets: list[Any]) -> None:
 def test_two_threads_save_different_states_at_once(tmp_path: Path) -> None:
     a, b = version_state(1), version_state(2)
     pa, pb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    small: dict[str, Any] = {"buffer_size": 256 * 1024, "num_buffers": 2}  # many chunks: the two saves interleave
+    small = Settings(buffer_size=256 * 1024, num_buffers=2)  # many chunks: the two saves interleave
     for _ in range(3):
-        run_threads([lambda: ckptstream.save(a, pa, **small), lambda: ckptstream.save(b, pb, **small)])
+        run_threads([lambda: ckptstream.save(a, pa, settings=small), lambda: ckptstream.save(b, pb, settings=small)])
         for path, state in ((pa, a), (pb, b)):
             ckptstream.verify(path)
             assert_same_state(ckptstream.load(path), state)
     # and loads running beside saves
     pc = tmp_path / "c.safetensors"
     loaded: dict[str, Any] = {}
-    run_threads([lambda: ckptstream.save(a, pc, **small), lambda: loaded.update(b=ckptstream.load(pb, **small)),
+    run_threads([lambda: ckptstream.save(a, pc, settings=small),
+                 lambda: loaded.update(b=ckptstream.load(pb, settings=small)),
                  lambda: ckptstream.verify(pa)])  # fmt: skip
     assert_same_state(loaded["b"], b)
     assert_same_state(ckptstream.load(pc), a)
@@ -74,7 +76,8 @@ def test_two_threads_save_different_states_at_once(tmp_path: Path) -> None:
 def test_threads_saving_over_one_path_leave_one_complete_file(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
     states = [version_state(v) for v in range(4)]
-    run_threads([functools.partial(ckptstream.save, s, path, buffer_size=256 * 1024) for s in states])
+    chunked = Settings(buffer_size=256 * 1024)
+    run_threads([functools.partial(ckptstream.save, s, path, settings=chunked) for s in states])
     loaded = ckptstream.load(path)
     assert_same_state(loaded, states[loaded["meta"]["version"]])
     ckptstream.verify(path)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream import CorruptCheckpointError
+from ckptstream import CorruptCheckpointError, Settings
 from ckptstream._checkpoint import blocks
 from ckptstream._format.header import Header
 from tests.helpers import direct_io_supported
@@ -316,7 +316,7 @@ def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, by
     streamed = STREAMED_GATHERED if gathering else STREAMED | ({"model.head"} if tied else set())
     case = _write(tmp_path / "case.safetensors", data)
     targets = chunky_targets(state, tied)
-    ckptstream.load_into(targets, case, **options)  # the undamaged file fills every target
+    ckptstream.load_into(targets, case, settings=Settings(**options))  # the undamaged file fills every target
     for key, t in tensors_of(targets).items():
         assert _same_bytes(t, tensors_of(state)[key]), key
     positions = flip_positions(data, ranges, random.Random(4))
@@ -327,7 +327,7 @@ def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, by
         _write(case, flipped)
         targets = chunky_targets(state, tied)
         with pytest.raises(CorruptCheckpointError, match="fails its CRC-32C check"):
-            _quick(ckptstream.load_into, targets, case, **options)
+            _quick(ckptstream.load_into, targets, case, settings=Settings(**options))
         assert_failed_load_left(targets, flipped, ranges, streamed)
     every = bytearray(data)  # a bit flipped in every stored tensor at once
     for lo, hi in set(ranges.values()):
@@ -335,7 +335,7 @@ def test_failed_multi_chunk_load_into_leaves_exact_targets(chunky: tuple[Any, by
     _write(case, every)
     targets = chunky_targets(state, tied)
     with pytest.raises(CorruptCheckpointError):
-        ckptstream.load_into(targets, case, **options)
+        ckptstream.load_into(targets, case, settings=Settings(**options))
     assert_failed_load_left(targets, every, ranges, streamed)
 
 
@@ -350,5 +350,5 @@ def test_failed_load_into_streams_a_tied_tensor_into_its_first_key_the_state_has
     targets = chunky_targets(state, tied=False)
     del targets["model"]["emb"]
     with pytest.warns(ckptstream.StateMismatchWarning), pytest.raises(CorruptCheckpointError):
-        ckptstream.load_into(targets, case, strict=False, **CHUNKY)
+        ckptstream.load_into(targets, case, strict=False, settings=Settings(**CHUNKY))
     assert_failed_load_left(targets, flipped, ranges, STREAMED_GATHERED if gathering else STREAMED | {"model.head"})

@@ -22,12 +22,18 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import DirectIO
 from ckptstream._storage import publish
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 WRITES = ("pwrite", "write", "pwritev", "writev")
 # several chunks, sizes that are not multiples of 4096 (unaligned edges), two I/O threads
-OPTS: dict[str, Any] = {"buffer_size": 64 << 10, "num_buffers": 3, "io_threads": 2}
+OPTS = ckptstream.Settings(buffer_size=64 << 10, num_buffers=3, io_threads=2)
+
+
+def opts(direct_io: DirectIO | str | bool | None) -> ckptstream.Settings:
+    """``OPTS`` with ``direct_io``."""
+    return ckptstream.Settings(buffer_size=64 << 10, num_buffers=3, io_threads=2, direct_io=direct_io)
 
 
 def make_state(seed: int) -> dict[str, Any]:
@@ -149,7 +155,7 @@ def test_save_writes_syncs_renames_and_syncs_the_directory_in_order(tmp_path: Pa
     old = os.open(path, os.O_RDONLY)  # the old file's inode, read again after the save
     try:
         trace = Trace(monkeypatch)
-        ckptstream.save(make_state(2), path, direct_io=direct_io, **OPTS)
+        ckptstream.save(make_state(2), path, settings=opts(direct_io))
         monkeypatch.undo()
         check_publish_order(trace, os.path.realpath(path))
         writes = [e for e in trace.events if e[0] == "write"]
@@ -180,7 +186,7 @@ def test_fsync_eio_on_the_temp_keeps_the_old_checkpoint(tmp_path: Path, monkeypa
     old_bytes, fds = path.read_bytes(), fd_names()
     Trace(monkeypatch, fsync_fails_at("temp"))
     with pytest.raises(OSError, match="fsync") as info:
-        ckptstream.save(make_state(2), path, **OPTS)
+        ckptstream.save(make_state(2), path, settings=OPTS)
     monkeypatch.undo()
     assert info.value.errno == errno.EIO
     assert "fsync" in str(info.value)
@@ -198,7 +204,7 @@ def test_fsync_eio_on_the_directory_is_raised_after_the_rename(tmp_path: Path,
     fds = fd_names()
     Trace(monkeypatch, fsync_fails_at("directory"))
     with pytest.raises(OSError, match="fsync of the directory") as info:
-        ckptstream.save(make_state(2), path, **OPTS)
+        ckptstream.save(make_state(2), path, settings=OPTS)
     monkeypatch.undo()
     assert info.value.errno == errno.EIO
     assert info.value.filename == str(tmp_path)
@@ -248,15 +254,15 @@ def refuse_direct(at: str, attempts: list[str]) -> Callable[[str, tuple[Any, ...
 @pytest.mark.parametrize("at", ["open", "write"])
 def test_direct_io_refused_falls_back_in_auto_mode(direct_dir: Path, at: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, path = direct_dir / "reference.safetensors", direct_dir / "ckpt.safetensors"
-    ckptstream.save(make_state(2), reference, direct_io="off", **OPTS)
+    ckptstream.save(make_state(2), reference, settings=opts("off"))
     ckptstream.save(make_state(1), path)
     attempts: list[str] = []
     trace = Trace(monkeypatch, refuse_direct(at, attempts))
-    ckptstream.save(make_state(2), path, direct_io="auto", **OPTS)
+    ckptstream.save(make_state(2), path, settings=opts("auto"))
     monkeypatch.undo()
     assert attempts, "O_DIRECT was never tried"
     if at == "write":  # the first refusal decides: the rest of the file goes buffered
-        assert len(attempts) <= OPTS["io_threads"], attempts
+        assert len(attempts) <= OPTS.io_threads, attempts
     check_publish_order(trace, os.path.realpath(path))
     assert path.read_bytes() == reference.read_bytes()
     assert temps(direct_dir) == []
@@ -266,7 +272,7 @@ def test_direct_io_refused_falls_back_in_auto_mode(direct_dir: Path, at: str, mo
     raw = direct_dir / "raw.bin"
     attempts.clear()
     Trace(monkeypatch, refuse_direct(at, attempts))
-    ckptstream.device_to_file(data, raw, direct_io="auto", **OPTS)
+    ckptstream.device_to_file(data, raw, settings=opts("auto"))
     monkeypatch.undo()
     assert attempts
     assert raw.read_bytes() == data.numpy().tobytes()
@@ -281,7 +287,7 @@ def test_direct_io_refused_in_forced_mode_is_a_clear_error(direct_dir: Path, at:
     attempts: list[str] = []
     Trace(monkeypatch, refuse_direct(at, attempts))
     with pytest.raises(OSError, match="O_DIRECT") as info:
-        ckptstream.save(make_state(2), path, direct_io="on", **OPTS)
+        ckptstream.save(make_state(2), path, settings=opts("on"))
     monkeypatch.undo()
     assert attempts
     assert info.value.errno == errno.EINVAL
@@ -346,7 +352,7 @@ def test_interrupt_as_the_temp_is_opened_leaks_nothing(tmp_path: Path, which: st
     monkeypatch.setattr(os, "open", interrupt_after_open(which, how, calls))
     counted_writes.clear()
     with pytest.raises(KeyboardInterrupt) as info:
-        ckptstream.save(make_state(2), path, direct_io="on" if which == "direct" else "auto", **OPTS)
+        ckptstream.save(make_state(2), path, settings=opts("on" if which == "direct" else "auto"))
     monkeypatch.undo()
     assert calls, "the interrupt was never delivered"
     assert fd_names() == fds, "a descriptor was leaked"

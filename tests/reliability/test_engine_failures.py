@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import DirectIO, Settings
 from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine import read as read_engine
 from ckptstream._engine.engine import Engine
@@ -41,7 +42,12 @@ from tests.reliability.relutil import (
 
 READ_CALLS = ("pread_into", "preadv_all")  # staged chunks, and chunks read straight into host tensors
 REACH_CALLER_S = 5.0
-SMALL: dict[str, Any] = {"buffer_size": 64 * KiB, "num_buffers": 2}  # ~32 chunks per MiB: failures land mid-stream
+SMALL = Settings(buffer_size=64 * KiB, num_buffers=2)  # ~32 chunks per MiB: failures land mid-stream
+
+
+def small(direct_io: DirectIO | str | bool | None) -> ckptstream.Settings:
+    """``SMALL`` with ``direct_io``."""
+    return Settings(buffer_size=64 * KiB, num_buffers=2, direct_io=direct_io)
 
 
 def big_state(device: str = "cpu", mib: int = 2) -> dict[str, Any]:
@@ -126,7 +132,7 @@ def test_write_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, old_checkpoin
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
-        ckptstream.save(state, path, direct_io=direct_io, **SMALL)
+        ckptstream.save(state, path, settings=small(direct_io))
     assert_released()
     assert fd_count() == fds
 
@@ -135,19 +141,20 @@ def test_write_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, old_checkpoin
 def test_device_to_file_error_in_io_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, after: int) -> None:
     t, fds = big_state()["v"], fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
-        ckptstream.device_to_file(t, tmp_path / "raw.bin", **SMALL)
+        ckptstream.device_to_file(t, tmp_path / "raw.bin", settings=SMALL)
     with open(tmp_path / "raw2.bin", "wb") as f, fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), \
             reaches_caller(OSError):  # fmt: skip
-        ckptstream.device_to_file(t, f, **SMALL)
+        ckptstream.device_to_file(t, f, settings=SMALL)
     assert_released()
     assert fd_count() == fds
 
 
 READERS: dict[str, Callable[[Path, Any], Any]] = {
-    "load": lambda path, state: ckptstream.load(path, mmap=False, **SMALL),  # mapped: no I/O thread
+    "load": lambda path, state: ckptstream.load(path, mmap=False, settings=SMALL),  # mapped: no I/O thread
     "verify": lambda path, state: ckptstream.verify(path),
-    "load_into": lambda path, state: ckptstream.load_into(state, path, **SMALL),
-    "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0, **SMALL),
+    "load_into": lambda path, state: ckptstream.load_into(state, path, settings=SMALL),
+    "file_to_device": lambda path, state: ckptstream.file_to_device(path, torch.empty(MiB // 4), offset=0,
+                                                                    settings=SMALL),
 }
 
 
@@ -196,7 +203,7 @@ def test_keyboard_interrupt_during_save_copies(monkeypatch: pytest.MonkeyPatch, 
     state, fds = big_state(), fd_count()
     raise_after(monkeypatch, WriteEngine, "_move", after, KeyboardInterrupt)
     with reaches_caller(KeyboardInterrupt):
-        ckptstream.save(state, path, **SMALL)
+        ckptstream.save(state, path, settings=SMALL)
     assert_released()
     assert fd_count() == fds
 
@@ -211,7 +218,7 @@ def test_keyboard_interrupt_during_load_copies(monkeypatch: pytest.MonkeyPatch, 
     fds = fd_count()
     raise_after(monkeypatch, read_engine, "copy_in", after, KeyboardInterrupt)
     with reaches_caller(KeyboardInterrupt):
-        ckptstream.load_into(state, path, **SMALL)
+        ckptstream.load_into(state, path, settings=SMALL)
     assert_released()
     assert fd_count() == fds
 
@@ -235,13 +242,13 @@ def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.Monke
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, deliver), reaches_caller(KeyboardInterrupt):
-        ckptstream.save(state, path, **SMALL)
+        ckptstream.save(state, path, settings=SMALL)
     assert_released()
     assert fd_count() == fds
     other = path.parent / "other.safetensors"
     ckptstream.save(state, other)
     with fail_in_io_thread(monkeypatch, READ_CALLS, after, deliver), reaches_caller(KeyboardInterrupt):
-        ckptstream.load(other, mmap=False, **SMALL)
+        ckptstream.load(other, mmap=False, settings=SMALL)
     other.unlink()
     assert_released()
     assert fd_count() == fds
@@ -289,9 +296,9 @@ def test_interrupt_while_starting_the_io_threads(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(fileio, name, slow(getattr(fileio, name)))
     with interrupted_thread_start(engine_type), reaches_caller(KeyboardInterrupt):
         if op == "save":
-            ckptstream.save(state, path, **SMALL)
+            ckptstream.save(state, path, settings=SMALL)
         else:
-            ckptstream.load(other, mmap=False, **SMALL)
+            ckptstream.load(other, mmap=False, settings=SMALL)
     assert_released()
     done = calls[0]
     time.sleep(0.2)
@@ -328,21 +335,21 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
         with monkeypatch.context() as m:
             if kind == 0:
                 with fail_in_io_thread(m, "pwrite_all", i % 7, eio), pytest.raises(OSError, match="injected I/O"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 1:
                 with fail_in_io_thread(m, "pwrite_all", i % 3, enospc), pytest.raises(OSError, match="no space"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 2:
                 raise_after(m, WriteEngine, "_move", i % 9, KeyboardInterrupt)
                 with pytest.raises(KeyboardInterrupt):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             elif kind == 3:
                 raise_after(m, WriteEngine, "_move", i % 4, lambda: RuntimeError("injected copy failure"))
                 with pytest.raises(RuntimeError, match="injected copy failure"):
-                    ckptstream.save(state, path, **settings)
+                    ckptstream.save(state, path, settings=Settings(**settings))
             else:
                 with fail_in_io_thread(m, READ_CALLS, i % 6, eio), pytest.raises(OSError, match="injected I/O"):
-                    ckptstream.load(other, mmap=False, **settings)
+                    ckptstream.load(other, mmap=False, settings=Settings(**settings))
 
     for i in range(20):  # warm up: the pool's buffers, allocator arenas, lazily opened files
         failing_transfer(i)
@@ -377,9 +384,9 @@ def test_failing_device_copy_on_gpu(monkeypatch: pytest.MonkeyPatch, old_checkpo
                 "_move" if direction == "save" else "_copy_parts", after, fail)
     with reaches_caller(RuntimeError):
         if direction == "save":
-            ckptstream.save(state, path, **SMALL)
+            ckptstream.save(state, path, settings=SMALL)
         else:
-            ckptstream.load_into(state, source, **SMALL)
+            ckptstream.load_into(state, source, settings=SMALL)
     torch.cuda.synchronize()
     assert_released()
     assert fd_count() == fds
@@ -398,9 +405,9 @@ def test_io_error_with_gpu_tensors(monkeypatch: pytest.MonkeyPatch, old_checkpoi
     ckptstream.load(path.parent / "warm.safetensors", device="cuda")
     fds = fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, eio), reaches_caller(OSError):
-        ckptstream.save(state, path, **SMALL)
+        ckptstream.save(state, path, settings=SMALL)
     with fail_in_io_thread(monkeypatch, READ_CALLS, after, eio), reaches_caller(OSError):
-        ckptstream.load(path.parent / "warm.safetensors", device="cuda", **SMALL)
+        ckptstream.load(path.parent / "warm.safetensors", device="cuda", settings=SMALL)
     torch.cuda.synchronize()
     assert_released()
     assert fd_count() == fds

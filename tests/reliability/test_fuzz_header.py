@@ -131,9 +131,9 @@ def seeds(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     instead of stopping at the header checksum), ours with checksums, and safetensors' own."""
     directory = tmp_path_factory.mktemp("seeds")
     files = []
-    for i, kwargs in enumerate([{"checksum": False}, {"checksum": True}]):
+    for i, checksum in enumerate([False, True]):
         path = directory / f"seed{i}.safetensors"
-        ckptstream.save(small_state(i), path, metadata={"k": "v"}, **kwargs)
+        ckptstream.save(small_state(i), path, metadata={"k": "v"}, checksum=checksum)
         files.append(path.read_bytes())
     from safetensors.torch import save
 

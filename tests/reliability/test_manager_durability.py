@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._storage import publish
 from tests.reliability.test_durability import Trace, where
 
@@ -125,10 +126,10 @@ def check_step_removed(trace: ManagerTrace, directory: str, step: int, after: in
 
 def test_one_process_save_prune_and_delete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = str(tmp_path)
-    with ckptstream.CheckpointManager(tmp_path, keep=1, **OPTS) as ckpts:
-        ckpts.save(1, state(1), blocking=True)  # the lock is taken, the leftovers looked for
+    with ckptstream.CheckpointManager(tmp_path, keep=1, settings=Settings(**OPTS)) as ckpts:
+        ckpts.save(state(1), 1, blocking=True)  # the lock is taken, the leftovers looked for
         trace = ManagerTrace(monkeypatch)
-        ckpts.save(2, state(2), blocking=True)  # publishes step 2, then prunes step 1
+        ckpts.save(state(2), 2, blocking=True)  # publishes step 2, then prunes step 1
         monkeypatch.undo()
         done = check_step_published(trace, directory, 2, ["state.safetensors"])
         after = min(i for i in trace.all(lambda e: e == ("sync", os.path.join(directory, "step-000000000002")))
@@ -147,13 +148,14 @@ def test_two_ranks_through_files_publish_after_both_files_are_durable(tmp_path: 
     """Rank 0 publishes DONE only after rank 1's file is renamed and its folder fsynced (in the
     same process: the ranks' saves run in their own threads)."""
     directory = str(tmp_path)
-    ranks = [ckptstream.CheckpointManager(tmp_path, rank=r, world_size=2, keep=1, max_in_flight=2, **OPTS)
+    ranks = [ckptstream.CheckpointManager(tmp_path, rank=r, world_size=2, keep=1, max_in_flight=2,
+                                          settings=Settings(**OPTS))
              for r in (0, 1)]
     try:
         for step in (1, 2):
             if step == 2:
                 trace = ManagerTrace(monkeypatch)
-            handles = [m.save(step, state(10 * r + step)) for r, m in enumerate(ranks)]
+            handles = [m.save(state(10 * r + step), step) for r, m in enumerate(ranks)]
             for handle in handles:
                 handle.result()
         monkeypatch.undo()

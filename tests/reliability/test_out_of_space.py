@@ -98,7 +98,7 @@ def test_full_file_system_enospc(full_fs: Path, tmp_path: Path) -> None:
     fds = fd_count()
     for _ in range(3):  # again and again: nothing accumulates
         with pytest.raises(OSError, match="No space left on device") as info:
-            ckptstream.save(big, path, buffer_size=256 * KiB)
+            ckptstream.save(big, path, settings=ckptstream.Settings(buffer_size=256 * KiB))
         assert info.value.errno == errno.ENOSPC, info.value
         assert_names_the_file(info.value, path)
         assert path.read_bytes() == before

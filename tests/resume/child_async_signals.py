@@ -111,7 +111,7 @@ def sync_save(path: str) -> None:
         real(self, chunk, buf)
 
     WriteEngine._write = write  # type: ignore[method-assign]
-    ckptstream.save(state(), path, buffer_size=64 << 10, num_buffers=2, io_threads=1)
+    ckptstream.save(state(), path, settings=ckptstream.Settings(buffer_size=64 << 10, num_buffers=2, io_threads=1))
     announce("the save was not interrupted")
 
 

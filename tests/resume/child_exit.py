@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine.write import WriteEngine
 from tests.resume.trainutil import slow_chunks
 
@@ -67,7 +68,7 @@ def main(case: str, path: str) -> None:
     if case.startswith("fail"):
         failing_after(5)
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
-    handle = ckptstream.save_async(state, path, buffer_size=64 << 10, num_buffers=2, io_threads=1)
+    handle = ckptstream.save_async(state, path, settings=Settings(buffer_size=64 << 10, num_buffers=2, io_threads=1))
     if case == "failed-uncollected":
         while not handle.done():
             time.sleep(0.01)

@@ -66,8 +66,8 @@ def main(directory: str, variant: str) -> None:
     done_r, done_w = os.pipe()  # the child closes its end when it ends
     go_r, go_w = os.pipe()  # the parent closes its end when a lingering child may go
     with ckptstream.CheckpointManager(directory, keep=3) as ckpts:
-        ckpts.save(1, state(1), blocking=True)
-        handle = ckpts.save(2, state(2))
+        ckpts.save(state(1), 1, blocking=True)
+        handle = ckpts.save(state(2), 2)
         started.wait()
         pid = os.fork()
         if pid == 0:
@@ -76,7 +76,7 @@ def main(directory: str, variant: str) -> None:
             if variant == "wait":
                 ckpts.wait()
                 try:
-                    ckpts.save(3, state(3))
+                    ckpts.save(state(3), 3)
                     os._exit(3)  # it saved with its parent's manager
                 except RuntimeError as e:
                     if f"belongs to process {os.getppid()}" not in str(e):
@@ -99,7 +99,7 @@ def main(directory: str, variant: str) -> None:
     report["lock_free_after_close"] = lock_is_free(directory)
     if variant == "linger":  # the child still holds what it inherited
         with ckptstream.CheckpointManager(directory, keep=3) as again:
-            again.save(3, state(3), blocking=True)
+            again.save(state(3), 3, blocking=True)
         os.close(go_w)
         read_all(done_r)
         report["status"] = os.waitpid(pid, 0)[1]

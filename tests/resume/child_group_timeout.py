@@ -46,7 +46,7 @@ def main(rank: int, directory: str, port: int, case: str) -> None:
         ckpts = ckptstream.CheckpointManager(directory, timeout=1)
         if rank == 0:
             try:
-                ckpts.save(1, {"w": torch.arange(100, dtype=torch.float32)}).result()
+                ckpts.save({"w": torch.arange(100, dtype=torch.float32)}, 1).result()
                 report["result"] = "ok"
             except Exception as e:
                 ended(report, e)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import ckptstream
+from ckptstream import Settings
 from ckptstream._engine.write import WriteEngine
 from ckptstream._manager import directory as _directory
 from ckptstream._manager import manager
@@ -33,8 +34,9 @@ def stall(point: str) -> None:
 
 
 def main(directory: str, point: str) -> None:
-    ckpts = ckptstream.CheckpointManager(directory, keep=1, buffer_size=64 << 10, num_buffers=2, io_threads=1)
-    ckpts.save(1, state(1), blocking=True)
+    ckpts = ckptstream.CheckpointManager(directory, keep=1, settings=Settings(buffer_size=64 << 10, num_buffers=2,
+                                                                              io_threads=1))
+    ckpts.save(state(1), 1, blocking=True)
     print("ready", flush=True)
     if point == "streaming":
         real, count = WriteEngine._write, [0]
@@ -50,7 +52,7 @@ def main(directory: str, point: str) -> None:
         _directory.write_done = lambda *args: stall(point)
     elif point == "pruning":
         manager.CheckpointManager._prune = lambda self, newest: stall(point)  # type: ignore[method-assign]
-    ckpts.save(2, state(2))
+    ckpts.save(state(2), 2)
     time.sleep(600)
 
 

@@ -20,7 +20,7 @@ import ckptstream
 def main(directory: str, rank: int) -> None:
     report: dict[str, Any] = {}
     with ckptstream.CheckpointManager(directory, rank=rank, world_size=2, timeout=1) as ckpts:
-        handle = ckpts.save(1, {"w": torch.arange(100, dtype=torch.float32)})
+        handle = ckpts.save({"w": torch.arange(100, dtype=torch.float32)}, 1)
         try:
             handle.result()
             report["result"] = "ok"

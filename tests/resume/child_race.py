@@ -76,7 +76,7 @@ def main(rank: int, directory: str, signals: Path, keep: int, max_in_flight: int
         handles = {}
         for step in steps:
             try:  # an earlier save that failed unseen is raised here
-                handles[step] = ckpts.save(step, state(rank, step))
+                handles[step] = ckpts.save(state(rank, step), step)
             except Exception as e:
                 report[str(step)] = f"{type(e).__name__}: {e}"
         for step, handle in handles.items():

@@ -89,7 +89,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
     where: dict[str, Any] = {} if grouped else {"rank": rank, "world_size": 2}
     ckpts = ckptstream.CheckpointManager(directory, keep=2, timeout=60, **where)
     for step in (1, 2, 3):
-        handle = ckpts.save(step, shard(rank, step))
+        handle = ckpts.save(shard(rank, step), step)
         if grouped:  # the training's own collectives go on while the save completes
             for _ in range(20):
                 t = torch.ones(4)

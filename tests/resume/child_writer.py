@@ -18,7 +18,7 @@ def main(directory: str, ranks: list[str]) -> None:
     where = {"rank": int(ranks[0]), "world_size": int(ranks[1])} if ranks else {}
     ckpts = ckptstream.CheckpointManager(directory, **where)  # type: ignore[arg-type]
     if not ranks:
-        ckpts.save(1, {"w": torch.arange(1000, dtype=torch.float32), "step": 1}, blocking=True)
+        ckpts.save({"w": torch.arange(1000, dtype=torch.float32), "step": 1}, 1, blocking=True)
     print("ready", flush=True)
     time.sleep(3600)  # until killed
 

@@ -145,7 +145,7 @@ def test_a_checkpoint_manager_on_s3(s3: Bucket) -> None:
     states = {step: {"w": random_tensor((1000, 33)), "step": step} for step in (1, 2, 3)}
     with ckptstream.CheckpointManager(directory, keep=2) as ckpts:
         for step, state in states.items():
-            ckpts.save(step, state, blocking=True)
+            ckpts.save(state, step, blocking=True)
         assert ckpts.steps() == [2, 3]
         assert sorted(s3.keys()) == [f"run/ckpts/step-00000000000{s}/{n}" for s in (2, 3)
                                      for n in ("DONE", "state.safetensors")]
@@ -187,7 +187,7 @@ def test_the_managers_done_is_made_last_and_pruning_goes_by_prefix(s3: Bucket) -
     made = objects_made()
     with ckptstream.settings(buffer_size=5 * MiB), ckptstream.CheckpointManager(directory, keep=1) as ckpts:
         for step in (1, 2):
-            ckpts.save(step, {"w": random_tensor((3 * MiB,)), "b": random_tensor(10), "step": step}, blocking=True)
+            ckpts.save({"w": random_tensor((3 * MiB,)), "b": random_tensor(10), "step": step}, step, blocking=True)
     steps = [f"run/ckpts/step-00000000000{s}/" for s in (1, 2)]
     assert made == [steps[0] + "state.safetensors", steps[0] + "DONE", steps[1] + "state.safetensors",
                     steps[1] + "DONE"]

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _gc
 from .._engine import gpucrc
-from .._settings import INHERIT, call_settings
+from .._settings import LegacyKeywords, Settings, current_settings, legacy_overrides, per_call
 from . import mapped
 from .reader import CheckpointReader, Device, as_device
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-def open(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-         io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> CheckpointReader:
+
+def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
+         **legacy: Unpack[LegacyKeywords]) -> CheckpointReader:
     """Open a checkpoint (ckptstream's or any safetensors file) for lazy, typed reads.
 
     The header is read and validated now (tensor table, structure, checksums); tensor data only
@@ -23,14 +26,16 @@ def open(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffer
 
     Args:
         path: the checkpoint file.
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            the reads of this reader.
+        settings: the ``Settings`` of this reader's reads (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
 
     Returns:
         A CheckpointReader: ``keys()`` (every tensor's key path, e.g. "optim.state.0.exp_avg"),
         ``entry(key)`` (dtype, shape, nbytes, checksum, file range), ``leaves`` (non-tensor
         values such as the step), ``metadata``, ``read(key, device=...)``,
-        ``read_into(key, tensor)``, ``read_slice(key, offsets, lengths)``, ``get_slice(key)[...]``.
+        ``read_into(key, tensor)``, ``get_slice(key)[...]`` (a box), ``read_slices(...)``.
 
     Raises:
         CorruptCheckpointError: the header or structure is malformed (named).
@@ -42,8 +47,7 @@ def open(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffer
         ...     wte = ckpt.read("model.wte.weight", device="cuda")
         ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
     """
-    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
-    return CheckpointReader(path, cfg)
+    return CheckpointReader(path, per_call("open", settings, legacy))
 
 
 def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
@@ -55,8 +59,8 @@ def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
 
 
 def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-         mmap: bool | None = None, verify: bool | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-         io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
+         mmap: bool | None = None, verify: bool | None = None, settings: Settings | None = None,
+         **legacy: Unpack[LegacyKeywords]) -> Any:
     """Load a state saved by ``save`` (or any safetensors file, as a flat dict).
 
     Args:
@@ -77,8 +81,9 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
             Writes to the tensors stay private to this process and never reach the file.
             Tensors whose file offset is not a multiple of their element size (possible in
             files of other writers) are copied instead. No file descriptor stays open.
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this call.
+        settings: the ``Settings`` of this call (a complete value); None: those in force. The
+            per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords
+            are deprecated in its favour.
 
     Returns:
         The state with its container types, key order, key types and leaves; tensors that
@@ -94,32 +99,36 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
         >>> owned = ckptstream.load("model.safetensors", mmap=False)     # CPU, copied
     """
     checksum = checksum_argument(checksum, verify, "load")
+    cfg = per_call("load", settings, legacy)
     if mmap:  # before the file is opened
         mapped.check_device(as_device(device))
     # the collector paused throughout: a load of many tensors allocates a few objects per tensor
     # (none in cycles), and a collection between its phases would scan them all again
     gpu = as_device(device) if checksum and not mmap else None
-    with _gc.paused(), gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
-                                                         io_threads=io_threads, direct_io=direct_io) as reader:
+    with _gc.paused(), gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
         return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
 
 
-def verify(path: str | os.PathLike[str], *, progress: bool = False, buffer_size: Any = INHERIT,
-           num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> None:
+def verify(path: str | os.PathLike[str], *, progress: bool = False, settings: Settings | None = None,
+           **legacy: Unpack[LegacyKeywords]) -> None:
     """Check a checkpoint without loading it: header, structure, length, and every checksum.
+
+    Args:
+        path: the checkpoint file.
+        progress: show a progress bar on stderr.
+        settings: the ``Settings`` of the reads (a complete value); None: those in force.
 
     Raises:
         CorruptCheckpointError: naming what is wrong (and which tensor, for a checksum).
     """
-    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-              direct_io=direct_io) as reader:
+    with CheckpointReader(path, per_call("verify", settings, legacy)) as reader:
         reader.verify(progress=progress)
 
 
-def read_metadata(path: str | os.PathLike[str], *, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-                  io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> dict[str, str]:
+def read_metadata(path: str | os.PathLike[str], **legacy: Unpack[LegacyKeywords]) -> dict[str, str]:
     """The user's metadata of a checkpoint (without ckptstream's own keys); only the header is
-    read, so the per-call settings are accepted for symmetry and change nothing."""
-    with open(path, buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-              direct_io=direct_io) as reader:
+    read. (The ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords it
+    accepted changed nothing: they are deprecated.)"""
+    legacy_overrides("read_metadata", legacy)
+    with CheckpointReader(path, current_settings()) as reader:
         return reader.metadata

@@ -19,7 +19,7 @@ import operator
 import os
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,9 +28,12 @@ from .._engine import PLAIN_TENSORS, check_tensor, copyable, empty_tensor, gpucr
 from .._errors import StateMismatchError, StateMismatchWarning
 from .._format.flatten import walk
 from .._format.structure import KeyPath, View, key_str, make_view
-from .._settings import INHERIT
-from .load import checksum_argument, open
+from .._settings import LegacyKeywords, Settings, per_call
+from .load import checksum_argument
 from .reader import CheckpointReader, TensorEntry, target_device
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Entries = dict[KeyPath, TensorEntry]
 Span = tuple[int, int, KeyPath]  # a target's memory: addresses start..end
@@ -269,8 +272,8 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
 
 
 def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
-              checksum: bool = True, progress: bool = False, verify: bool | None = None, buffer_size: Any = INHERIT,
-              num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> Any:
+              checksum: bool = True, progress: bool = False, verify: bool | None = None,
+              settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
 
     Args:
@@ -294,8 +297,10 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             0.1.0; a mismatch raises CorruptCheckpointError, see docs/reliability.md for what
             the targets then hold).
         progress: show a progress bar on stderr.
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this call.
+        settings: the ``Settings`` of this call (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
 
     Returns:
         The file's structure with its non-tensor leaves (step, param_groups, ...) and the
@@ -309,12 +314,12 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         >>> fresh_opt.load_state_dict(loaded["optim"])   # the moments were created on the model's GPU
     """
     checksum = checksum_argument(checksum, verify, "load_into")
+    cfg = per_call("load_into", settings, legacy)
     # the collector paused throughout, as in load: a few objects per tensor, none in cycles
     with _gc.paused():
         targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
         gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
-        with gpucrc.built_meanwhile(gpu), open(path, buffer_size=buffer_size, num_buffers=num_buffers,
-                                               io_threads=io_threads, direct_io=direct_io) as reader:
+        with gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
             entries = {e.path: e for e in reader.entries()}
             created, blobs = _created(reader, state, targets, device)
             targets.update(created)

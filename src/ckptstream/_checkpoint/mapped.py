@@ -171,9 +171,11 @@ def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
     started: list[threading.Thread] = []
     out: T | None = None
     try:
-        for w in workers:
-            w.start()
-            started.append(w)
+        # a Ctrl-C here stops the workers and is raised once each started one is listed to join
+        with control.interrupts_deferred(stop.set):
+            for w in workers:
+                w.start()
+                started.append(w)
         try:
             out = meanwhile() if meanwhile is not None else None
             checksum(small)

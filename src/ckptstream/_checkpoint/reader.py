@@ -3,7 +3,7 @@
 Opening reads and validates the header once (tensor table, structure, checksums); nothing else
 is read until asked. Each tensor is indexed by its user-facing key path
 ("optim.state.0.exp_avg") with its dtype, shape, bytes, checksum and file range; ``read``,
-``read_into`` and ``read_slice`` stream just the bytes they need through the read engine.
+``read_into`` and ``read_slices`` stream just the bytes they need through the read engine.
 ``load``, ``load_into``, ``verify`` and ``ckptstream inspect`` are thin users of it.
 """
 
@@ -16,6 +16,7 @@ import heapq
 import math
 import operator
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -267,20 +268,24 @@ class CheckpointReader:
 
     def read_slice(self, key: Key, offsets: Sequence[int], lengths: Sequence[int] | None = None, *,
                    into: torch.Tensor | None = None, device: Device = "cpu") -> torch.Tensor:
-        """The box of the tensor at ``key`` that starts at ``offsets`` (per dimension) and spans
-        ``lengths`` (default: to the end), read into ``into`` (of the box's shape and the
-        tensor's dtype, contiguous or not) or a new tensor on ``device``. Only the bytes of the
-        box are read (a box of rows is one run of the file, of columns one run per row), so
-        checksums, which cover whole tensors, are verified only for a box that is the whole
-        tensor."""
+        """Deprecated: ``get_slice(key, device=...)[...]`` reads a box by indexing, and
+        ``read_slices([(key, offsets, lengths, into)])`` into a given tensor."""
+        warnings.warn("CheckpointReader.read_slice() is deprecated: index get_slice(key) (e.g. "
+                      "reader.get_slice(key, device=...)[1000:2000]), or read into a tensor with "
+                      "read_slices([(key, offsets, lengths, into)])", DeprecationWarning, stacklevel=2)
         return self.read_slices([(key, offsets, lengths, into if into is not None else device)])[0]
 
     def read_slices(self, requests: Sequence[tuple[Key, Sequence[int], Sequence[int] | None,
                                                    torch.Tensor | Device]], *,
                     checksum: bool = True) -> list[torch.Tensor]:
-        """Several ``read_slice`` requests ``(key, offsets, lengths, into or device)`` in one
-        pass over the file; returns the destinations. With ``checksum``, a request for a whole
-        stored tensor is compared with its CRC-32C."""
+        """Boxes of stored tensors in one pass over the file: each request ``(key, offsets,
+        lengths, into or device)`` names the box of the tensor at ``key`` that starts at
+        ``offsets`` (per dimension) and spans ``lengths`` (None, or fewer dimensions: to the
+        end), read into ``into`` (of the box's shape and the tensor's dtype, contiguous or not)
+        or a new tensor on a device; returns the destinations. Only the bytes of the boxes are
+        read (a box of rows is one run of the file, of columns one run per row), so checksums,
+        which cover whole tensors, are compared (with ``checksum``) only for a box that is the
+        whole tensor. ``get_slice`` reads one box by indexing."""
         outs: list[torch.Tensor] = []
         pieces: list[Piece] = []
         whole: list[tuple[int, str, int]] = []  # (its piece, stored name, CRC) per request to verify
@@ -306,10 +311,11 @@ class CheckpointReader:
         self._compare([(name, crc) for _, name, crc in whole], [crcs[i] for i, _, _ in whole])
         return outs
 
-    def get_slice(self, key: Key) -> TensorSlice:
-        """An object that reads boxes by indexing, as safetensors' ``get_slice``:
-        ``reader.get_slice("w")[2:5, :, 0]``."""
-        return TensorSlice(self, self.entry(key))
+    def get_slice(self, key: Key, *, device: Device = "cpu") -> TensorSlice:
+        """An object that reads boxes of the tensor at ``key`` by indexing, as safetensors'
+        ``get_slice``, into new tensors on ``device``: ``reader.get_slice("w")[2:5, :, 0]``.
+        Only the bytes of the box are read (see ``read_slices``)."""
+        return TensorSlice(self, self.entry(key), target_device(device))
 
     def load(self, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
              mmap: bool | None = None) -> Any:
@@ -492,8 +498,8 @@ class TensorSlice:
     ints (negative ones count from the end) and slices of step 1 (their bounds as Python clips
     them: ``[-5:]``, ``[2:-3]``, ``[10:2]`` empty)."""
 
-    def __init__(self, reader: CheckpointReader, entry: TensorEntry) -> None:
-        self._reader, self.entry = reader, entry
+    def __init__(self, reader: CheckpointReader, entry: TensorEntry, device: torch.device) -> None:
+        self._reader, self.entry, self.device = reader, entry, device
 
     def get_shape(self) -> list[int]:
         return list(self.entry.shape)
@@ -524,7 +530,8 @@ class TensorSlice:
                 drop.append(dim)
             else:
                 raise TypeError(f"{self.entry.key}: index with ints and slices, got {type(i).__name__}")
-        out = self._reader.read_slice(self.entry.path, offsets, lengths + list(shape[len(lengths) :]))
+        box = (self.entry.path, offsets, lengths + list(shape[len(lengths) :]), self.device)
+        out = self._reader.read_slices([box])[0]
         for dim in reversed(drop):
             out = out.squeeze(dim)
         return out

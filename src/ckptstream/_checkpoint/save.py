@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +24,11 @@ from .._format import header as _header
 from .._format.flatten import flatten
 from .._format.header import TensorInfo
 from .._progress import progress_bar
-from .._settings import INHERIT, Settings, call_settings
+from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclasses.dataclass
@@ -91,8 +94,8 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
 
 
 def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
-         checksum: bool = True, progress: bool = False, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-         io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> None:
+         checksum: bool = True, progress: bool = False, settings: Settings | None = None,
+         **legacy: Unpack[LegacyKeywords]) -> None:
     """Save a training state to one safetensors file, atomically.
 
     Args:
@@ -106,8 +109,10 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
         metadata: extra ``str -> str`` pairs for the header's ``__metadata__``.
         checksum: store a CRC-32C of every tensor (checked by ``load`` and ``verify``).
         progress: show a progress bar on stderr.
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this call.
+        settings: the ``Settings`` of this call (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
 
     Raises:
         UnsupportedTypeError: a value that cannot be stored (named by its key path), before
@@ -119,5 +124,5 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     Example:
         >>> ckptstream.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}, "ckpt.safetensors")
     """
-    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = per_call("save", settings, legacy)
     write_checkpoint(plan_checkpoint(state, metadata, checksum), path, cfg, progress=progress)

@@ -36,14 +36,17 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
-from .._settings import INHERIT, Settings, call_settings
+from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
 from .capture import BY_VALUE_BYTES, MODES, AsyncMode, capture
 from .guard import HostCopies
 from .save import plan_checkpoint, write_checkpoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "SaveHandle", "begin", "in_flight", "save_async"]
 
@@ -125,7 +128,9 @@ class SaveHandle:
         return self.path
 
     def wait(self, timeout: float | None = None) -> str:
-        """The same as ``result``."""
+        """Deprecated: ``result()`` (the same, the name of ``concurrent.futures``)."""
+        warnings.warn("SaveHandle.wait() is deprecated: use result(), which is the same", DeprecationWarning,
+                      stacklevel=2)
         return self.result(timeout)
 
     @property
@@ -386,8 +391,8 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
 
 def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device",
                metadata: Mapping[str, str] | None = None, checksum: bool = True, progress: bool = False,
-               max_in_flight: int = 1, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-               io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> SaveHandle:
+               max_in_flight: int = 1, settings: Settings | None = None,
+               **legacy: Unpack[LegacyKeywords]) -> SaveHandle:
     """Save a training state in the background; returns at once with a ``SaveHandle``.
 
     The file is published exactly as ``save`` publishes it (a temp beside ``path``, fsynced,
@@ -423,12 +428,14 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
             when they do, the call first waits for the oldest to end (backpressure). Saves of
             one path publish in call order: the path ends with the newest call's state (a save
             whose file is ready first waits for the earlier save of the path to end).
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this save (taken at the call).
+        settings: the ``Settings`` of this save (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force at the call (see
+            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
+            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
 
     Returns:
-        A SaveHandle: ``wait_staged()``, ``result()`` / ``wait()`` (durable, or the worker's
-        exception), ``done()``.
+        A SaveHandle: ``wait_staged()``, ``result()`` (durable, or the worker's exception),
+        ``done()``.
 
     Raises:
         UnsupportedTypeError, TypeError, ValueError: bad input, before anything starts.
@@ -446,6 +453,6 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
         >>> loss_fn(model(inputs), targets).backward()                 # training goes on
         >>> handle.result()                                             # durable now
     """
-    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = per_call("save_async", settings, legacy)
     return begin(state, path, mode=mode, metadata=metadata, checksum=checksum, progress=progress,
                  max_in_flight=max_in_flight, cfg=cfg)

@@ -7,19 +7,22 @@ any offset): it opens its files through the local storage's own entry point
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._engine import Piece, ReadEngine, WriteEngine, check_stream, check_tensor
-from .._settings import INHERIT, call_settings
+from .._settings import LegacyKeywords, Settings, per_call
 from .._storage.files import FileSink, FileSource
 from .._storage.local import FileLike, advance_position, opened
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = None,
-                   stream: torch.cuda.Stream | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-                   io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> int:
+                   stream: torch.cuda.Stream | None = None, settings: Settings | None = None,
+                   **legacy: Unpack[LegacyKeywords]) -> int:
     """Write the bytes of ``src`` to ``file`` (a local file: this primitive writes in place, at
     any offset) through a few staging buffers.
 
@@ -31,8 +34,10 @@ def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = No
         offset: None writes at the file's current position and advances it (successive calls
             append); an int writes at that offset and leaves the position alone.
         stream: the CUDA stream whose queued work produces ``src`` (default: the current stream).
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this call.
+        settings: the ``Settings`` of this call (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. The per-call
+            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
+            deprecated in its favour.
 
     Returns:
         The number of bytes written (``src.numel() * src.element_size()``).
@@ -46,7 +51,7 @@ def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = No
         ...     ckptstream.device_to_file(m, f)
         ...     ckptstream.device_to_file(v, f)
     """
-    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = per_call("device_to_file", settings, legacy)
     check_tensor(src, "src")
     check_stream(stream)  # every argument is checked before the file is opened (and truncated)
     with opened(file, offset, FileSink) as (sink, start):
@@ -58,8 +63,8 @@ def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = No
 
 
 def file_to_device(file: FileLike, dst: torch.Tensor, *, offset: int | None = None,
-                   stream: torch.cuda.Stream | None = None, buffer_size: Any = INHERIT, num_buffers: Any = INHERIT,
-                   io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> int:
+                   stream: torch.cuda.Stream | None = None, settings: Settings | None = None,
+                   **legacy: Unpack[LegacyKeywords]) -> int:
     """Fill ``dst`` in place with ``dst.nbytes`` bytes of ``file`` (a local file).
 
     Args:
@@ -68,8 +73,10 @@ def file_to_device(file: FileLike, dst: torch.Tensor, *, offset: int | None = No
         dst: a CPU or CUDA tensor of any dtype, contiguous or not (filled in row-major order).
         offset: None reads at the file's current position and advances it; an int reads there.
         stream: the CUDA stream whose later work uses ``dst`` (default: the current stream).
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings`` for
-            this call.
+        settings: the ``Settings`` of this call (a complete value, e.g.
+            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. The per-call
+            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
+            deprecated in its favour.
 
     Returns:
         The number of bytes read (always ``dst.numel() * dst.element_size()``).
@@ -83,7 +90,7 @@ def file_to_device(file: FileLike, dst: torch.Tensor, *, offset: int | None = No
     Example:
         >>> ckptstream.file_to_device("weights.bin", torch.empty(n, device="cuda"))
     """
-    cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads, direct_io=direct_io)
+    cfg = per_call("file_to_device", settings, legacy)
     check_tensor(dst, "dst", writable=True)
     check_stream(stream)
     with opened(file, offset, FileSource) as (source, start):

@@ -9,18 +9,22 @@ import functools
 import logging
 import os
 import threading
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
 from .._errors import StateMismatchError
-from .._settings import INHERIT, call_settings
+from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
 from .directory import StepCheck, check_step, check_steps
 from .ranks import FileRanks, GroupRanks, Ranks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager", "StepCheck", "check_step", "check_steps"]
 
@@ -50,6 +54,10 @@ def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: fl
     return FileRanks(directory, timeout, rank, world_size)
 
 
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CheckpointManager:
     """Numbered checkpoints in ``directory``: background saves, complete-only listing, keep-K.
 
@@ -68,7 +76,15 @@ class CheckpointManager:
             before training starts).
         timeout: seconds a rank waits for the others to finish a step (then the step fails with
             ``CheckpointTimeoutError``).
-        buffer_size, num_buffers, io_threads, direct_io: as for ``save``.
+        settings: the ``Settings`` of every transfer of this manager, its saves and loads (a
+            complete value); None: those in force at each call (see ``ckptstream.settings``).
+            The per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io``
+            keywords are deprecated in its favour.
+
+    Every method takes the state first and the step second, as ``ckptstream.save(state,
+    path)`` and ``ckptstream.load_into(state, path)`` take the state and then where it goes:
+    ``save(state, step)``, ``load_into(state, step)``, ``load(step)``. (``save(step, state)``
+    still works, with a DeprecationWarning.)
 
     A crash at any point leaves ``latest_step()`` on the previous complete step; leftovers of
     interrupted saves are ignored and removed later. Use it as a context manager, or call
@@ -87,22 +103,22 @@ class CheckpointManager:
         ...     for step in range(start, steps):
         ...         train_step()
         ...         if step % 1000 == 0:
-        ...             ckpts.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
+        ...             ckpts.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step)
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, mode: AsyncMode | str = "device",
                  max_in_flight: int = 1, checksum: bool = True, rank: int | None = None,
-                 world_size: int | None = None, timeout: float = 1800.0, buffer_size: Any = INHERIT,
-                 num_buffers: Any = INHERIT, io_threads: Any = INHERIT, direct_io: Any = INHERIT) -> None:
+                 world_size: int | None = None, timeout: float = 1800.0, settings: Settings | None = None,
+                 **legacy: Unpack[LegacyKeywords]) -> None:
         mode = check_options(mode, max_in_flight)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an integer >= 1 or None (keep all), got {keep!r}")
         self._storage = storage_for(directory)
         self.directory = self._storage.absolute(os.fspath(directory))
         self.keep, self.mode, self.max_in_flight, self.checksum = keep, mode, max_in_flight, checksum
-        self._io = {"buffer_size": buffer_size, "num_buffers": num_buffers, "io_threads": io_threads,
-                    "direct_io": direct_io}
-        call_settings(**self._io)  # bad settings raise now, not at the first save
+        self._given = check_settings(settings, "CheckpointManager")
+        self._overrides = legacy_overrides("CheckpointManager", legacy, self._given)
+        self._settings()  # bad settings raise now, not at the first save
         self._storage.make_folders(self.directory)
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
@@ -147,10 +163,13 @@ class CheckpointManager:
 
     # --- saving ---------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, blocking: bool = False,
+    def save(self, state: Any, step: int, *, blocking: bool = False,
              metadata: dict[str, str] | None = None) -> SaveHandle:
         """Save ``state`` as checkpoint ``step`` in the background (``save_async``); with
         ``blocking`` return once it is complete. Every rank saves the same steps.
+
+        ``save(step, state)``, the order of 0.1.0, is recognised by its int step first and a
+        state that is not an int, and works with a DeprecationWarning.
 
         The handle's ``result()`` returns once the step is complete (every rank's file durable,
         then the DONE marker), and raises why not otherwise; older checkpoints beyond ``keep``
@@ -162,8 +181,13 @@ class CheckpointManager:
             DirectoryLockedError: another manager writes the directory as this rank.
             as ``save_async``.
         """
+        if _is_step(state) and not _is_step(step):
+            warnings.warn("CheckpointManager.save(step, state) is deprecated: pass the state first, "
+                          "save(state, step), as every method of the manager and ckptstream.save(state, path) do",
+                          DeprecationWarning, stacklevel=2)
+            state, step = step, state
         self._check_writer()
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _directory.LARGEST_STEP:
+        if not _is_step(step) or not 0 <= step <= _directory.LARGEST_STEP:
             raise ValueError(f"step must be an integer in [0, {_directory.LARGEST_STEP}], got {step!r}")
         self._ranks.lock()
         latest = max((s for s in (self._last, self.latest_step()) if s is not None), default=None)
@@ -178,7 +202,7 @@ class CheckpointManager:
         then = functools.partial(self._complete, step, previous)
         try:
             handle = begin(state, path, mode=self.mode, metadata=metadata, checksum=self.checksum, progress=False,
-                           max_in_flight=self.max_in_flight, cfg=call_settings(**self._io), step=step, then=then)
+                           max_in_flight=self.max_in_flight, cfg=self._settings(), step=step, then=then)
         except BaseException as e:
             if self._ranks.collective:  # the other ranks wait for this one's outcome: send it
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,
@@ -279,17 +303,35 @@ class CheckpointManager:
 
     # --- loading --------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, *, device: Device = "cpu", checksum: bool = True, **io: Any) -> Any:
-        """``ckptstream.load`` of this process's file of checkpoint ``step`` (default: the newest)."""
-        return load_file(self.path(step), device=device, checksum=checksum, **io)
+    def load(self, step: int | None = None, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
+             mmap: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
+        """``ckptstream.load`` of this process's file of checkpoint ``step`` (default: the newest);
+        ``settings`` (default: the manager's) as for ``ckptstream.load``."""
+        cfg = self._settings(settings, legacy, "CheckpointManager.load")
+        return load_file(self.path(step), device=device, checksum=checksum, progress=progress, mmap=mmap, settings=cfg)
 
     def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Any = "auto",
-                  checksum: bool = True, **io: Any) -> Any:
+                  checksum: bool = True, progress: bool = False, settings: Settings | None = None,
+                  **legacy: Unpack[LegacyKeywords]) -> Any:
         """``ckptstream.load_into`` from this process's file of checkpoint ``step`` (default: the
         newest). A freshly built optimizer works: its moments, which its ``state_dict()`` lacks,
         are created on ``device`` (see ``load_into``); pass the result's part to
-        ``optimizer.load_state_dict``."""
-        return load_into_file(state, self.path(step), strict=strict, device=device, checksum=checksum, **io)
+        ``optimizer.load_state_dict``. ``settings`` (default: the manager's) as for
+        ``ckptstream.load_into``."""
+        cfg = self._settings(settings, legacy, "CheckpointManager.load_into")
+        return load_into_file(state, self.path(step), strict=strict, device=device, checksum=checksum,
+                              progress=progress, settings=cfg)
+
+    def _settings(self, settings: object = None, legacy: LegacyKeywords | None = None, where: str = "") -> Settings:
+        """The settings of one transfer: the call's, else the manager's, else those in force
+        (with the deprecated keywords of the call, or else of the manager, applied)."""
+        given = check_settings(settings, where)
+        overrides = legacy_overrides(where, legacy or {}, given, stacklevel=4)
+        if given is not None:
+            return given
+        if overrides:
+            return overlay(overrides)
+        return self._given if self._given is not None else overlay(self._overrides)
 
     # --- life -----------------------------------------------------------------------------
 

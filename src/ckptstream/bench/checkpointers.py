@@ -132,7 +132,7 @@ def _manager_step(state: State, path: str) -> Job:
     """Step 1 of a manager whose folder is ``path``; durable once its DONE is."""
     began = time.perf_counter()
     manager = ckptstream.CheckpointManager(path, keep=1, mode="device")
-    h = manager.save(1, state)
+    h = manager.save(state, 1)
 
     def finish() -> None:
         try:

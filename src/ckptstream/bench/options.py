@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+from typing import Any
 
 import ckptstream
 from ckptstream import CkptStreamError
@@ -123,7 +124,7 @@ class Options:
     hot_threads: tuple[int, ...]
     sweep: bool
     sweep_axes: dict[str, list[int] | str]  # the values of each staging setting the sweep combines
-    staging: dict[str, int]  # ckptstream settings given on the command line
+    staging: dict[str, Any]  # ckptstream settings given on the command line (ints)
     training: bool = False
     training_systems: tuple[str, ...] | None = None
     training_steps: int | None = None
@@ -179,13 +180,14 @@ def _variants(given: list[str] | None, systems: tuple[str, ...]) -> tuple[str, .
     return tuple(dict.fromkeys(given))
 
 
-def _staging(args: argparse.Namespace) -> dict[str, int]:
+def _staging(args: argparse.Namespace) -> dict[str, Any]:
     """The ckptstream settings given on the command line, checked by ckptstream.Settings itself."""
     given = {"buffer_size": args.buffer_mib and args.buffer_mib * MiB, "num_buffers": args.num_buffers,
              "io_threads": args.io_threads}
     staging = {name: value for name, value in given.items() if value}
     try:
-        dataclasses.replace(ckptstream.current_settings(), **staging)
+        with ckptstream.settings(**staging):  # checked as the run will apply them
+            pass
     except (TypeError, ValueError) as e:
         raise BenchError(f"--buffer-mib / --num-buffers / --io-threads: {e}") from e
     return staging

@@ -37,13 +37,13 @@ def staging_configurations(axes: dict[str, Any]) -> list[dict[str, Any]]:
 def _measure(cfg: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, path: str, job: Job,
              group: Group) -> dict[str, Any]:
     """GB/s of write, cold read and hot read with the staging settings ``cfg`` (median of runs)."""
-    calls = {"buffer_size": cfg["buffer_size"], "num_buffers": cfg["num_buffers"]}
     runs: dict[str, list[float]] = {"write": [], "cold": [], "hot": []}
     for _ in range(job["repeat"]):
-        with ckptstream.settings(io_threads=cfg["io_threads"]):
-            runs["write"].append(timed(partial(ckptstream.device_to_file, src, path, **calls), group.device)[0])
+        with ckptstream.settings(buffer_size=cfg["buffer_size"], num_buffers=cfg["num_buffers"],
+                                 io_threads=cfg["io_threads"]):
+            runs["write"].append(timed(partial(ckptstream.device_to_file, src, path), group.device)[0])
             ckptstream.release_staging()  # each configuration allocates (and is charged for) its own buffers
-            read = partial(ckptstream.file_to_device, path, dst, **calls)
+            read = partial(ckptstream.file_to_device, path, dst)
             with ckptstream.settings(direct_io=cfg["read_direct_io"]):
                 cache.evict(Cold(job["cold"]), [path])
                 runs["cold"].append(timed(read, group.device)[0])
@@ -102,7 +102,8 @@ def render_sweep(result: dict[str, Any], ceiling: dict[str, Any], device: str, c
     rows = table(["buffer MiB", "buffers", "io threads", "reads", "write GB/s", "/write", f"{cold} GB/s", "/read",
                   "hot GB/s", "/hot"], lines)
     best = [f"best {k}: {staging_summary(max(result['rows'], key=lambda c: c[k]))}" for k in ("write", "cold", "hot")]
-    defaults = ckptstream.current_settings()
+    with ckptstream.settings() as defaults:
+        pass
     best.append(f"current defaults: {defaults.num_buffers} x {defaults.buffer_size // MiB} MiB, "
                 f"{defaults.io_threads} I/O threads")
     return "\n".join(head + rows + [""] + best)

@@ -231,7 +231,8 @@ def measure(system: str, size_gib: float, *, device: str = "auto", directory: st
                     os.unlink(path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    cfg = ckptstream.current_settings()
+    with ckptstream.settings() as cfg:  # those in force
+        pass
     out: dict[str, Any] = {"system": system, "device": str(dev), "step_s": statistics.median(plain),
                            "steps": chosen, "checkpoints": checkpoints, "state_bytes": state_bytes,
                            "model": {"d_model": loop.d, "layers": loop.layers, "tokens": loop.tokens},

@@ -149,7 +149,8 @@ def _write_untimed(group: Group, system: System, prepared: Any, path: str) -> No
 
 def _staging_in_force() -> dict[str, int]:
     """The ckptstream settings this process ran with (--buffer-mib and the like, or the defaults)."""
-    current = ckptstream.current_settings()
+    with ckptstream.settings() as current:
+        pass
     return {"buffer_size": current.buffer_size, "num_buffers": current.num_buffers, "io_threads": current.io_threads}
 
 

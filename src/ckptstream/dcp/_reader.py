@@ -17,7 +17,7 @@ import io
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -28,9 +28,12 @@ from torch.futures import Future
 from .._checkpoint.reader import CheckpointReader, TensorEntry
 from .._engine.tensor_bytes import host_bytes
 from .._errors import CorruptCheckpointError
-from .._settings import INHERIT, call_settings
+from .._settings import LegacyKeywords, Settings, per_call
 from . import _metadata, _pickles
 from ._metadata import StoredChunk
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # DCP 2.9-2.11 catches the errors of read_metadata (it then tries the rank's own metadata) and
 # raises only AssertionError("metadata is None"); 2.12 puts their messages in it. There the
@@ -52,8 +55,10 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             classes and plain values, and every non-tensor value only plain data (numbers,
             strings, bytes, containers of them, torch sizes and dtypes); anything else is refused
             with CorruptCheckpointError.
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
-            (those in force when the reader is made) for this reader's transfers.
+        settings: the ``Settings`` of this reader's transfers (a complete value); None: those
+            in force when the reader is made (see ``ckptstream.settings``). The per-call
+            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
+            deprecated in its favour.
 
     Raises (from ``dcp.load``):
         CorruptCheckpointError: a rank file fails its checksums or is not the file the
@@ -70,14 +75,12 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checksum: bool = True, trust_metadata: bool = False,
-                 buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
-                 direct_io: Any = INHERIT) -> None:
+                 settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.checksum = checksum
         self.trust_metadata = trust_metadata
-        self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-                           direct_io=direct_io)
+        self.cfg = per_call("StreamReader", settings, legacy)
         self.storage_data: dict[Any, StoredChunk] = {}
         self._metadata_error: Exception | None = None
 

@@ -22,7 +22,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -34,9 +34,12 @@ from torch.futures import Future
 from .._checkpoint.capture import AsyncMode, Captured
 from .._checkpoint.guard import HostCopies
 from .._engine import Mark, mark
-from .._settings import INHERIT, call_settings
+from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
 from . import _metadata, _rankfile, _staging
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
@@ -53,8 +56,10 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
             "host" (a full host copy, as DCP's own stager). Unused by ``dcp.save``.
             (``staging=`` is its deprecated name.)
         checksum: store a CRC-32C of every chunk (``StreamReader`` verifies chunks read whole).
-        buffer_size, num_buffers, io_threads, direct_io: override ``ckptstream.settings``
-            (those in force when the writer is made) for this writer's transfers.
+        settings: the ``Settings`` of this writer's transfers (a complete value); None: those
+            in force when the writer is made (see ``ckptstream.settings``). The per-call
+            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
+            deprecated in its favour.
 
     Example:
         >>> dcp.save(state_dict, storage_writer=ckptstream.dcp.StreamWriter("ckpt/step-100"))
@@ -63,8 +68,8 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     _synchronize_after_execute = False  # DCP need not wait: see wait_staged()
 
     def __init__(self, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device", checksum: bool = True,
-                 buffer_size: Any = INHERIT, num_buffers: Any = INHERIT, io_threads: Any = INHERIT,
-                 direct_io: Any = INHERIT, staging: AsyncMode | str | None = None) -> None:
+                 settings: Settings | None = None, staging: AsyncMode | str | None = None,
+                 **legacy: Unpack[LegacyKeywords]) -> None:
         super().__init__()
         self.path = os.fspath(path)
         if staging is not None:
@@ -73,8 +78,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
             mode = staging
         self.mode = AsyncMode.parse(mode)
         self.checksum = checksum
-        self.cfg = call_settings(buffer_size=buffer_size, num_buffers=num_buffers, io_threads=io_threads,
-                           direct_io=direct_io)
+        self.cfg = per_call("StreamWriter", settings, legacy)
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True
