@@ -18,6 +18,7 @@ import torch
 import ckptstream
 from ckptstream import Settings
 from ckptstream._storage import publish
+from ckptstream._storage.local import LocalStorage
 from tests.reliability.test_durability import Trace, where
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
@@ -44,6 +45,11 @@ class ManagerTrace(Trace):
             return result
 
         return call
+
+    def note(self, *event: Any) -> None:
+        """Record an event of a layer above the system calls (a storage's method)."""
+        with self._lock:
+            self.events.append(event)
 
     def find(self, *event: Any, last: bool = False) -> int:
         return self.index(lambda e: e == event, last)
@@ -166,3 +172,36 @@ def test_two_ranks_through_files_publish_after_both_files_are_durable(tmp_path: 
     done = check_step_published(trace, directory, 2, names)
     check_step_removed(trace, directory, 1, done)
     assert ckptstream.check_step(tmp_path / "step-000000000002").complete
+
+
+def test_the_manager_makes_the_step_folder_durable_itself_before_done(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager itself asks its storage to make the step folder durable
+    (``Storage.sync_folder``) after the last rank file is published and before DONE is begun,
+    rather than count on each sink's publish to have fsynced the folder: a storage whose publish
+    only renames (its contract asks for atomic, and ``sync_folder`` makes names durable) still
+    gets DONE only over rank files whose names are on disk."""
+    directory = str(tmp_path)
+    folder = os.path.join(directory, "step-000000000002")
+    with ckptstream.CheckpointManager(tmp_path, keep=None, **OPTS) as ckpts:
+        ckpts.save(1, state(1), blocking=True)
+        trace = ManagerTrace(monkeypatch)
+        real = LocalStorage.sync_folder
+
+        def sync_folder(self: LocalStorage, path: str) -> None:
+            real(self, path)
+            trace.note("sync_folder", os.path.abspath(path))
+
+        monkeypatch.setattr(LocalStorage, "sync_folder", sync_folder)
+        ckpts.save(2, state(2), blocking=True)
+        monkeypatch.undo()
+        assert ckpts.steps() == [1, 2]
+    renamed = check_file_published(trace, os.path.join(folder, "state.safetensors"))
+    done_temp = trace.index(lambda e: e[0] == "open" and os.path.dirname(e[1]) == folder
+                            and os.path.basename(e[1]).startswith(f".DONE{publish.TEMP_MARK}"))
+    asked = [i for i in trace.all(lambda e: e == ("sync_folder", folder)) if renamed < i < done_temp]
+    assert asked, "the manager does not sync the step folder through its storage between the rank file and DONE"
+    publishes = min(i for i in trace.all(lambda e: e == ("sync", folder)) if i > renamed)  # the sink's own
+    assert [i for i in trace.all(lambda e: e == ("sync", folder)) if publishes < i < asked[0]], \
+        "the storage's sync_folder does not fsync the step folder"
+    check_step_published(trace, directory, 2, ["state.safetensors"])
