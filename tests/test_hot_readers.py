@@ -27,7 +27,8 @@ def spy_tune(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
     return chosen
 
 
-def test_a_hot_load_into_host_memory_gets_more_readers(tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hot_load_into_host_memory_gets_more_readers(tmp_path: Path, device: torch.device,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no more readers to give")
     gen = torch.Generator().manual_seed(7)

@@ -183,8 +183,8 @@ def test_the_manager_makes_the_step_folder_durable_itself_before_done(tmp_path: 
     gets DONE only over rank files whose names are on disk."""
     directory = str(tmp_path)
     folder = os.path.join(directory, "step-000000000002")
-    with ckptstream.CheckpointManager(tmp_path, keep=None, **OPTS) as ckpts:
-        ckpts.save(1, state(1), blocking=True)
+    with ckptstream.CheckpointManager(tmp_path, keep=None, settings=Settings(**OPTS)) as ckpts:
+        ckpts.save(state(1), 1, blocking=True)
         trace = ManagerTrace(monkeypatch)
         real = LocalStorage.sync_folder
 
@@ -193,7 +193,7 @@ def test_the_manager_makes_the_step_folder_durable_itself_before_done(tmp_path: 
             trace.note("sync_folder", os.path.abspath(path))
 
         monkeypatch.setattr(LocalStorage, "sync_folder", sync_folder)
-        ckpts.save(2, state(2), blocking=True)
+        ckpts.save(state(2), 2, blocking=True)
         monkeypatch.undo()
         assert ckpts.steps() == [1, 2]
     renamed = check_file_published(trace, os.path.join(folder, "state.safetensors"))
