@@ -90,7 +90,7 @@ def test_load_into(s3: Bucket, device: torch.device) -> None:
     ckptstream.load_into(into, url)
     assert torch.equal(into["w"], state["w"])
     assert torch.equal(into["v"], state["v"])
-    assert into["w"].device == device
+    assert into["w"].device.type == device.type
 
 
 def test_save_async(s3: Bucket, device: torch.device) -> None:
@@ -100,7 +100,7 @@ def test_save_async(s3: Bucket, device: torch.device) -> None:
     handle.result()
     state["w"].zero_()  # the save holds its own copy once done
     back = ckptstream.load(s3.url("k.safetensors"), device=device)["w"]
-    assert back.device == device
+    assert back.device.type == device.type
     assert torch.equal(back, expected)
 
 
