@@ -208,8 +208,15 @@ def dcp_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     procs = [subprocess.Popen([sys.executable, str(HERE / "reliability" / "child_dcp_save.py"), str(work / "ckpt"),
                                str(rank), "2", str(store)], env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
+    outs = []
+    try:
+        outs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:  # none left running, whatever failed
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode == 0, out
     return work / "ckpt"
 

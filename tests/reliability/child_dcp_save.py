@@ -23,6 +23,7 @@ def main() -> None:
         state = ckptstream.dcp.as_sharded({"w": torch.randn(6, 5), "v": torch.randn(4)})
         state["step"] = 7
         dcp.save(state, storage_writer=ckptstream.dcp.StreamWriter(directory))
+        dist.barrier()  # no rank tears the group down while another still talks in it
     finally:
         dist.destroy_process_group()
 

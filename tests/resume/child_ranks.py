@@ -115,6 +115,7 @@ def main(how: str, rank: int, directory: str, port: int) -> None:
     ckpts.close()
     restart(grouped, rank, directory, report)
     if grouped:
+        dist.barrier()  # no rank tears the group down while another still talks in it
         dist.destroy_process_group()
     print(json.dumps(report))
 
