@@ -48,7 +48,9 @@ PAIRS = {SAVE: UPLOAD, LOAD: DOWNLOAD_NEW, LOAD_INTO: DOWNLOAD_IN_PLACE}  # ckpt
 
 
 class _ViewBody(io.RawIOBase):
-    """A seekable file over a memoryview: botocore sends it, and rewinds it to retry, without a copy."""
+    """A seekable file over a memoryview: botocore sends it, and rewinds it to retry, without a copy.
+    (The library's twin is not used: the ceiling is the client alone, and the benchmark uses the
+    public API only.)"""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
