@@ -24,6 +24,16 @@ class CorruptCheckpointError(CkptStreamError, ValueError):
     """A checkpoint file is malformed or its data does not match its checksums."""
 
 
+class NotACheckpointError(CorruptCheckpointError):
+    """A file of another format where a checkpoint file was expected (a torch.save file, a DCP
+    ``.metadata``, a pickle, a gzip or zip archive): ``kind`` names the format ("torch.save",
+    "DCP metadata", "pickle", "gzip", "zip"), the message the file and what to do."""
+
+    def __init__(self, message: str, path: str, kind: str) -> None:
+        super().__init__(message)
+        self.path, self.kind = path, kind
+
+
 class StateMismatchError(CkptStreamError, ValueError):
     """The state given to load_into does not match the checkpoint (keys, shapes, dtypes)."""
 

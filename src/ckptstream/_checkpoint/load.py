@@ -38,7 +38,8 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
         ``read_into(key, tensor)``, ``get_slice(key)[...]`` (a box), ``read_slices(...)``.
 
     Raises:
-        CorruptCheckpointError: the header or structure is malformed (named).
+        CorruptCheckpointError: the header or structure is malformed (named); a
+            ``NotACheckpointError`` for a file of another format (torch.save, DCP ``.metadata``).
         OSError: the file cannot be opened.
 
     Example:
@@ -90,7 +91,8 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
         shared storage when saved share it again.
 
     Raises:
-        CorruptCheckpointError: the file is malformed, truncated or fails a checksum (named).
+        CorruptCheckpointError: the file is malformed, truncated or fails a checksum (named); a
+            ``NotACheckpointError`` for a file of another format (torch.save, DCP ``.metadata``).
         ValueError: ``mmap=True`` with a device other than "cpu".
 
     Example:

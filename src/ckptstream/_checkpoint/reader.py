@@ -24,8 +24,9 @@ import torch
 
 from .. import _gc
 from .._engine import BYTE_COPIED, PLAIN_TENSORS, Piece, ReadEngine, check_tensor, empty_tensor
-from .._errors import CorruptCheckpointError, StateMismatchError
+from .._errors import CorruptCheckpointError, NotACheckpointError, StateMismatchError
 from .._format import header as _header
+from .._format import sniff
 from .._format.header import Header
 from .._format.slices import normalize_box, slice_pieces
 from .._format.structure import KeyPath, View, key_str, make_view, parse_structure, rebuild, unflatten
@@ -134,12 +135,18 @@ class CheckpointReader:
         size = self._source.size()
         raw = bytearray(min(size, _FIRST_READ))
         self._source.read_into(memoryview(raw), 0)
-        start = _header.data_start(bytes(raw[:8]), size, self.path)
-        if start > len(raw):
-            rest = bytearray(start - len(raw))
-            self._source.read_into(memoryview(rest), len(raw))
-            raw += rest
-        return _header.decode(bytes(raw[:start]), size, self.path)
+        try:
+            start = _header.data_start(bytes(raw[:8]), size, self.path)
+            if start > len(raw):
+                rest = bytearray(start - len(raw))
+                self._source.read_into(memoryview(rest), len(raw))
+                raw += rest
+            return _header.decode(bytes(raw[:start]), size, self.path)
+        except CorruptCheckpointError as e:  # a file of another kind says so, not "header length ..."
+            other = sniff.recognise(bytes(raw[: sniff.HEAD]), self.path)
+            if other is None:
+                raise
+            raise NotACheckpointError(other.message, self.path, other.kind) from e
 
     @functools.cached_property
     def _entries(self) -> dict[KeyPath, TensorEntry]:

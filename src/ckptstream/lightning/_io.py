@@ -13,18 +13,15 @@ from lightning.fabric.plugins import CheckpointIO
 from .._checkpoint.load import load, read_metadata
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
-from .._errors import CorruptCheckpointError, StorageOptionsError, UnsupportedPathError
-from .._format import header
+from .._errors import NotACheckpointError, StorageOptionsError, UnsupportedPathError
+from .._format import header, sniff
 from .._storage import storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
 
 __all__ = ["StreamCheckpointIO"]
 
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 _STORAGE_OPTIONS = ("metadata",)
-
-
 
 
 class StreamCheckpointIO(CheckpointIO):
@@ -124,8 +121,8 @@ class StreamCheckpointIO(CheckpointIO):
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            CorruptCheckpointError: not a ckptstream file (a ``torch.save`` file is named as one),
-                or damaged (a checksum, a truncated file).
+            NotACheckpointError: a file of another format (a ``torch.save`` file is named as one).
+            CorruptCheckpointError: not a ckptstream file, or damaged (a checksum, a truncated file).
             UnsupportedTypeError: the file holds pickled values and ``allow_pickle`` is off (or
                 ``weights_only`` is True).
             StorageOptionsError: a ``map_location`` that is not a device.
@@ -135,8 +132,16 @@ class StreamCheckpointIO(CheckpointIO):
         target = _local(path)
         if storage_for(target).kind(target) != "file":  # the target of any link: a file, or none
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
-        _refuse_torch_save_file(target)
-        metadata = read_metadata(target)
+        try:
+            metadata = read_metadata(target)
+        except NotACheckpointError as e:
+            if e.kind != sniff.TORCH_SAVE:
+                raise
+            raise NotACheckpointError(
+                f"{target} is a torch.save file (Lightning's default checkpoint format), not a ckptstream file: load "
+                "it without StreamCheckpointIO, or convert it once: StreamCheckpointIO().save_checkpoint(torch.load("
+                "path, weights_only=False), new_path) (torch.load runs code from the file: only for files you trust)",
+                target, e.kind) from e
         state = load(target, device=device, checksum=self.checksum)
         if TYPES_KEY not in metadata:
             return state  # type: ignore[no-any-return]
@@ -277,18 +282,6 @@ def _storage_metadata(storage_options: Any) -> dict[str, str]:
         return _checked_metadata(storage_options.get("metadata"), where)
     except (TypeError, ValueError) as e:
         raise StorageOptionsError(str(e)) from e
-
-
-def _refuse_torch_save_file(path: str) -> None:
-    magic = bytearray(len(_ZIP_MAGIC))
-    with storage_for(path).open(path) as source:
-        source.read_into(memoryview(magic), 0)
-    if magic == _ZIP_MAGIC:
-        raise CorruptCheckpointError(
-            f"{path} is a torch.save file (Lightning's default checkpoint format), not a ckptstream file: load it "
-            "without StreamCheckpointIO, or convert it once: StreamCheckpointIO().save_checkpoint("
-            "torch.load(path, weights_only=False), new_path) (torch.load runs code from the file: only for files "
-            "you trust)")
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
