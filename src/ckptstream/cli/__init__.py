@@ -1,9 +1,11 @@
 """The ``ckptstream`` command: inspect and verify checkpoints, run the benchmark.
 
-A checkpoint is a file, a CheckpointManager directory (every step, or ``--step N``), one of its
-step folders, or a DCP checkpoint's directory. Exit codes: 0 sound, 1 a corrupt or incomplete
-checkpoint, 2 a usage error (bad arguments, an unreadable file, a path that holds no
-checkpoint); ``verify`` of several checkpoints exits with the worst of them.
+A checkpoint is a file (or an object store's object), a CheckpointManager directory (every step,
+or ``--step N``), one of its step folders, a DCP checkpoint's directory, or a folder of checkpoint
+files (Lightning's ``.ckpt`` files, a Hugging Face export with its index). Exit codes: 0 sound,
+1 a corrupt or incomplete checkpoint, 2 a usage error (bad arguments, an unreadable file, a file
+of another format, a path that holds no checkpoint); ``verify`` of several checkpoints exits with
+the worst of them.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any, TypeVar
 
 import ckptstream
 
-from ..storage import storage_for
-from . import _dirs, _files
-from ._dirs import DCP, MANAGER, STEP, Verdict
+from ..storage import Entry, storage_for
+from . import _dirs, _files, _folders
+from ._dirs import DCP, MANAGER, STEP, Verdict, status_of
+from ._folders import FILES
 from ._text import MAX_ITEMS, KeyPath, print_directory, print_report, printable
 
 T = TypeVar("T")
@@ -88,29 +91,31 @@ def _reporting(path: str, work: Callable[[], T]) -> tuple[T | None, int, str]:
     try:
         return work(), 0, ""
     except (ckptstream.CkptStreamError, OSError, ValueError) as e:
+        if isinstance(e, ckptstream.NotACheckpointError):  # a file of another format: no checkpoint at all
+            return None, 2, str(e)
         message = str(e)
-        if isinstance(e, ckptstream.CorruptCheckpointError):  # of a file: what its bytes show
-            other = _files.other_kind(path)
-            if other is not None:
-                return None, 2, f"{path}: {other}"
+        if isinstance(e, ckptstream.CorruptCheckpointError):  # of a file: where its header's own CRC shows damage
             message = _files.header_damage(path) or message
-        return None, 1 if isinstance(e, ckptstream.CkptStreamError) else 2, message
+        return None, status_of(e), message
 
 
 def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
-    """The kind of checkpoint at ``path`` ("file", MANAGER, STEP, DCP), or the verdict that it is none."""
+    """The kind of checkpoint at ``path`` ("file", MANAGER, STEP, DCP, FILES), or the verdict that it is none."""
     storage = storage_for(path)
     try:
-        entries = storage.list_folder(path)
+        entries: list[Entry] | None = storage.list_folder(path)
+        if not entries and storage.kind(path) != "folder":
+            entries = None  # an object store lists an object's URL as an empty folder: a file
     except (FileNotFoundError, NotADirectoryError):
         entries = None  # no folder: a file (or nothing, which the reader says)
     except OSError as e:
-        return None, Verdict(f"{path}: cannot be listed ({e.strerror})", 2)
+        return None, Verdict(f"{path}: cannot be listed ({e.strerror or e})", 2)
     if entries is not None:
-        kind = _dirs.folder_kind(path, entries)
+        kind = _dirs.folder_kind(path, entries) or (FILES if _folders.has_checkpoints(entries) else None)
         if kind is None:
-            return None, Verdict(f"{path}: a folder that holds no checkpoint (a checkpoint file, a CheckpointManager "
-                                 "directory or step folder, or a DCP checkpoint's folder)", 2)
+            return None, Verdict(f"{path}: a folder that holds no checkpoint (checkpoint files: .safetensors, "
+                                 "Lightning's .ckpt, a Hugging Face export; a CheckpointManager directory or step "
+                                 "folder; a DCP checkpoint's folder)", 2)
         if step is not None and kind != MANAGER:
             return None, Verdict(f"{path}: --step picks a step of a CheckpointManager directory; this is a {kind}", 2)
         return kind, None
@@ -123,6 +128,16 @@ def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
     return "file", None
 
 
+def _check_files(folder: str) -> list[Verdict]:
+    """A folder of checkpoint files: its Hugging Face index against its shards (where it has
+    one), then every file on its own."""
+    storage = storage_for(folder)
+    entries = storage.list_folder(folder)
+    names = _folders.checkpoint_files(entries)
+    index = [_folders.check_index(folder, names)] if any(e.name == _folders.INDEX for e in entries) else []
+    return index + [_verify_file(storage.join(folder, name)) for name in names]
+
+
 def verify(path: str, step: int | None = None) -> list[Verdict]:
     """The verdict on each checkpoint at ``path``."""
     kind, refused = _what_is(path, step)
@@ -133,6 +148,8 @@ def verify(path: str, step: int | None = None) -> list[Verdict]:
     try:
         if kind == MANAGER:
             return _dirs.check_manager(path, step)
+        if kind == FILES:
+            return _check_files(path)
         return [_dirs.check_step(ckptstream.check_step(path)) if kind == STEP else _dirs.check_dcp(path)]
     except OSError as e:  # a folder that cannot be listed or read
         return [Verdict(f"{path}: {e}", 2)]
@@ -158,6 +175,10 @@ def inspect(path: str, step: int | None = None) -> tuple[dict[str, Any] | None, 
             return _dirs.describe_manager(path)
         if kind == DCP:
             return _dirs.describe_dcp(path)
+        if kind == FILES:
+            report = _folders.describe_files(path, storage_for(path).list_folder(path))
+            report["reports"] = [inspect_report(storage_for(path).join(path, n)) for n in report["files"]]
+            return report
         if kind == STEP:
             step_check = check or ckptstream.check_step(path)
             report = _dirs.describe_step(step_check)

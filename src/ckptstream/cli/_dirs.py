@@ -41,6 +41,15 @@ class Verdict:
     status: int
 
 
+def status_of(error: Exception) -> int:
+    """The exit status of an error met checking a checkpoint: 2 where it could not be read (an
+    OSError, a request to an object store that failed among them) or was bad input (a
+    ValueError), 1 where ckptstream found it corrupt."""
+    if isinstance(error, OSError):
+        return 2
+    return 1 if isinstance(error, ckptstream.CkptStreamError) else 2
+
+
 def is_dcp_metadata_name(name: str) -> bool:
     return name == METADATA or _RANK_METADATA.fullmatch(name) is not None
 
@@ -74,7 +83,7 @@ def check_step(check: ckptstream.StepCheck, *, leftover_ok: bool = False) -> Ver
                 if not reader.checksummed:
                     unchecked.append(name)
         except (ckptstream.CkptStreamError, OSError, ValueError) as e:
-            return Verdict(f"{check.folder}: {step}{e}", 1 if isinstance(e, ckptstream.CkptStreamError) else 2)
+            return Verdict(f"{check.folder}: {step}{e}", status_of(e))
     files = len(check.files)
     how = "checksums verified" if not unchecked else f"structure only for {', '.join(unchecked)}: no checksums"
     return Verdict(f"{check.folder}: OK ({step}{files} file{'s' * (files != 1)}, {tensors} tensors, {how})", 0)
@@ -193,7 +202,7 @@ def check_dcp(directory: str) -> Verdict:
     except FileNotFoundError as e:
         return Verdict(f"{directory}: INCOMPLETE: {e.strerror}", 1)
     except (ckptstream.CkptStreamError, OSError, ValueError) as e:
-        return Verdict(f"{directory}: {e}", 1 if isinstance(e, ckptstream.CkptStreamError) else 2)
+        return Verdict(f"{directory}: {e}", status_of(e))
     how = "checksums verified" if not foreign else (
         f"{len(foreign)} file(s) of another writer present with the bytes the metadata records; they hold no checksums")
     return Verdict(f"{directory}: OK ({DCP}: {files} rank file{'s' * (files != 1)}, {chunks} chunks, {how})", 0)

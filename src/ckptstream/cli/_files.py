@@ -1,6 +1,7 @@
 """What ``ckptstream verify`` and ``inspect`` say of a file that is not a sound checkpoint beyond
-the reader's own error: a file of another kind (a DCP ``.metadata``, a pickle, a zip archive)
-named as such, and a damaged header located (ckptstream's headers carry their own CRC-32C)."""
+the reader's own error: a damaged header located (ckptstream's headers carry their own CRC-32C).
+A file of another kind (a torch.save file, a DCP ``.metadata``) the reader names itself
+(``NotACheckpointError``)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,6 @@ from ..storage import Source, storage_for
 HEADER_CRC_KEY = "ckptstream.header_crc32c"
 MAX_HEADER = 100_000_000
 _HEADER_CRC_TAG = f'"{HEADER_CRC_KEY}":"'.encode()
-
-
-def other_kind(path: str) -> str | None:
-    """What ``path`` is when its first bytes show a format other than safetensors (None otherwise)."""
-    try:
-        with storage_for(path).open(path) as source:
-            head = _read(source, 0, 4)
-    except OSError:
-        return None
-    if head.startswith(b"\x80") and head[1:2] and head[1] <= 5:
-        return "a Python pickle (DCP's .metadata, or a torch.save file of the legacy format), not a safetensors file"
-    if head == b"PK\x03\x04":
-        return "a zip archive (torch.save's format: load it with torch.load), not a safetensors file"
-    return None
 
 
 def header_damage(path: str) -> str | None:

@@ -10,6 +10,7 @@ from typing import Any
 from ckptstream import TensorEntry
 
 from ._dirs import DCP, MANAGER, STEP
+from ._folders import FILES
 
 KeyPath = tuple[Any, ...]  # the keys from the state's root to a leaf (``TensorEntry.path``)
 
@@ -128,6 +129,13 @@ def print_directory(d: dict[str, Any], max_items: int) -> None:
                     lines, max_items, "steps")
         if d["latest"] is not None:
             print(printable(f"one step's files: ckptstream inspect {d['path']} --step {d['latest']}"))
+    elif d["kind"] == FILES:
+        lines = [f"  {name}  {_human(size)}" for name, size in d["files"].items()]
+        index = f", a Hugging Face export ({d['index']})" if d["index"] else ""
+        print_list(f"{d['path']}: {FILES}{index}, {len(lines)} file(s)", lines, max_items, "files")
+        for report in d["reports"]:
+            print()
+            print_report(report, max_items)
     elif d["kind"] == STEP:
         if not d["complete"]:
             print(printable(f"{d['path']}: {STEP}, INCOMPLETE: {d['reason']}"))
