@@ -227,11 +227,16 @@ def _check_dcp_file(directory: str, name: str, records: list[Any]) -> bool:
     with ckptstream.open(path) as reader:
         for record in records:
             entry = reader.entry((record.key,)) if (record.key,) in reader else None
-            if entry is None or (entry.offset, entry.end - entry.offset) != (record.offset, record.length) or (
-                    record.crc is not None and record.crc != entry.checksum):
+            if entry is None or (entry.offset, entry.end - entry.offset) != (record.offset, record.length):
                 raise _corrupt(f"{path}: chunk {record.key!r} is not where the checkpoint's .metadata records it "
                                f"(bytes {record.offset}..{record.offset + record.length}): the file is not the one "
                                "this checkpoint wrote")
+            # a file of another save with the same layout differs only here (its own checksums hold)
+            if record.crc is not None and record.crc != entry.checksum:
+                stored = "none" if entry.checksum is None else f"{entry.checksum:08x}"
+                raise _corrupt(f"{path}: chunk {record.key!r} has CRC-32C {stored} in the file, but the checkpoint's "
+                               f".metadata records {record.crc:08x}: the file is from another save; restore this "
+                               "save's copy of it")
         reader.verify()
     return False
 
