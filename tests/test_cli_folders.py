@@ -1,7 +1,7 @@
 """``ckptstream verify`` and ``inspect`` of folders of checkpoint files: a Hugging Face export
 (its index checked against its shards, then each shard), a folder of Lightning ``.ckpt`` files
-written by StreamCheckpointIO (file by file, the worst status), and one object of an object
-store given by its URL (a file, on a real S3 server)."""
+written by StreamCheckpointIO (file by file, the worst status). (An object's URL:
+tests/s3/test_s3_cli.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import torch
 
 import ckptstream
 from ckptstream import cli
-from tests.s3.s3util import Bucket, s3, s3_server  # noqa: F401
 
 INDEX = "model.safetensors.index.json"
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -152,25 +151,3 @@ def test_a_folder_of_lightning_checkpoints(tmp_path: Path, capsys: pytest.Captur
     status, _, err = run_cli(capsys, "verify", str(folder))
     assert status == 2
     assert f"{folder / 'last.ckpt'} is a torch.save file" in err
-
-
-def test_an_objects_url_is_a_file(s3: Bucket, capsys: pytest.CaptureFixture[str]) -> None:
-    url = s3.url("run/a.safetensors")
-    ckptstream.save({"w": torch.randn(64, 8), "step": 2}, url)
-    status, out, err = run_cli(capsys, "verify", url)
-    assert (status, out, err) == (0, f"{url}: OK (1 tensors, checksums verified)\n", "")
-    status, out, _ = run_cli(capsys, "inspect", url)
-    assert status == 0
-    assert out.startswith(f"{url}: ckptstream 1, 1 tensors")
-    ckptstream.save({"w": torch.randn(64, 8)}, s3.url("run/b.safetensors"))
-    status, out, _ = run_cli(capsys, "verify", s3.url("run"))  # the prefix: a folder of checkpoint files
-    assert (status, out.count(": OK (")) == (0, 2)
-    raw = bytearray(s3.get("run/a.safetensors"))
-    raw[-2] ^= 0x10
-    s3.put("run/a.safetensors", bytes(raw))
-    status, _, err = run_cli(capsys, "verify", url)
-    assert status == 1
-    assert f"{url}: tensor 'w'" in err
-    status, _, err = run_cli(capsys, "verify", s3.url("run/none.safetensors"))
-    assert status == 2
-    assert "a folder that holds no checkpoint" not in err
