@@ -387,16 +387,16 @@ def test_inspect_collapses_long_containers(tmp_path: Path, capsys: pytest.Captur
     lines = out.splitlines()
     assert len(lines) < 40, out
     assert [line.split()[0] for line in lines[1:11]] == [f"layers.{i}.w" for i in range(10)]
-    assert lines[11] == ("  ... 20 more tensors under layers (past the first 10 of its 30 items; --max-items 0 "
-                         "shows all)")
+    assert lines[11] == ("  ... 20 more tensors in 20 more items of layers (it holds 30 items, the first 10 shown; "
+                         "--max-items 0 shows all)")
     values = lines[lines.index("values:") + 1 :]
     assert values[0] == "  rng.python.0: 3"
     assert values[1 : 11] == [f"  rng.python.1.{i}: {v}" for i, v in enumerate(random.getstate()[1][:10])]
-    assert values[11] == ("  ... 615 more values under rng.python.1 (past the first 10 of its 625 items; --max-items 0 "
-                          "shows all)")
+    assert values[11] == ("  ... 615 more values in 615 more items of rng.python.1 (it holds 625 items, the first 10 "
+                          "shown; --max-items 0 shows all)")
     assert values[12:] == ["  rng.python.2: None", "  step: 9", "structure:", "  layers: 30 tensors, 240 B"]
     status, out, _ = run_cli(capsys, "inspect", str(path), "--max-items", "3")
-    assert "  ... 27 more tensors under layers (past the first 3 of its 30 items" in out
+    assert "  ... 27 more tensors in 27 more items of layers (it holds 30 items, the first 3 shown" in out
     status, out, _ = run_cli(capsys, "inspect", str(path), "--max-items", "0")
     assert out.count("rng.python.1.") == 625
     assert "more values" not in out

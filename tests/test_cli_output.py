@@ -268,3 +268,32 @@ def test_non_finite_floats_stored_as_ckptstream_writes_them_load(tmp_path: Path)
     back = ckptstream.load(path)
     assert (back["a"], back["b"], back["d"], back["e"]) == (math.inf, -math.inf, 1e300, -1e-320)
     assert math.isnan(back["c"])
+
+
+def test_inspect_of_a_lightning_file_keeps_its_columns_and_counts(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Long module paths wrap onto a line of their own, the columns stay at most 60 characters
+    wide; a collapsed container says how many items and how many leaves it hides, in agreement."""
+    from ckptstream.lightning import StreamCheckpointIO
+
+    long_name = "model." + ".".join(f"encoder_block_{i}.residual_attention_sublayer" for i in range(5)) + ".weight"
+    groups = {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+              "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+              "decoupled_weight_decay": True, "initial_lr": 0.1, "params": list(range(10))}  # 13 items
+    ckpt = {"state_dict": {long_name: torch.randn(4, 2), "model.head.bias": torch.randn(3)}, "global_step": 5,
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(4, 2)}}, "param_groups": [groups]}]}
+    path = tmp_path / "epoch=0-step=5.ckpt"
+    StreamCheckpointIO().save_checkpoint(ckpt, path)
+    status, out, _ = run_cli(capsys, "inspect", str(path))
+    assert status == 0
+    lines = out.splitlines()
+    at = lines.index(f"  state_dict.{long_name}")  # the key whole, on its own line
+    assert len(f"state_dict.{long_name}") > 200
+    width = len("optimizer_states.0.state.0.exp_avg")  # the widest key within 60 characters sets the column
+    assert lines[at + 1] == f"  {'':<{width}}  F32      {'[4, 2]':<20} 32 B"
+    assert f"  {'optimizer_states.0.state.0.exp_avg':<{width}}  F32      {'[4, 2]':<20} 32 B" in lines
+    assert f"  {'state_dict.model.head.bias':<{width}}  F32      {'[3]':<20} 12 B" in lines
+    assert ("  ... 12 more values in 3 more items of optimizer_states.0.param_groups.0 (it holds 13 items, the "
+            "first 10 shown; --max-items 0 shows all)") in lines
+    shown = [line for line in lines if line.startswith("  optimizer_states.0.param_groups.0.")]
+    assert len(shown) == 11  # 10 items, betas with its two values

@@ -41,12 +41,13 @@ def _human(n: float) -> str:
 class Collapse:
     """Which leaves a table shows: those within the first ``max_items`` items of every container
     that holds them (``max_items`` 0: all). Each container that holds more shows one line, in
-    place of the first leaf it hides, saying how many it hides."""
+    place of the first leaf it hides, saying how many items and leaves it hides."""
 
     def __init__(self, paths: list[KeyPath], max_items: int) -> None:
         self.max_items = max_items
         items: dict[KeyPath, dict[Any, int]] = {}  # per container: its items' positions
         self.hider: list[KeyPath | None] = []  # per leaf: the outermost container hiding it
+        self.item: list[Any] = []  # per hidden leaf: the item of its hider that holds it
         for path in paths:
             hider = None
             for depth in range(len(path)):
@@ -55,15 +56,19 @@ class Collapse:
                 if hider is None and max_items and position >= max_items:
                     hider = path[:depth]
             self.hider.append(hider)
+            self.item.append(path[len(hider)] if hider is not None else None)
         self.size = {container: len(positions) for container, positions in items.items()}
 
-    def lines(self, rows: list[tuple[int, str]], what: str) -> list[str]:
-        """The lines of ``rows`` (leaf index, line) that are shown, with the count lines."""
+    def lines(self, rows: list[tuple[int, str]], what: tuple[str, str]) -> list[str]:
+        """The lines of ``rows`` (leaf index, line) that are shown, with the count lines; ``what``
+        names one leaf and several ("tensor", "tensors")."""
         hidden: dict[KeyPath, int] = {}
+        hidden_items: dict[KeyPath, set[Any]] = {}
         for leaf, _ in rows:
             hider = self.hider[leaf]
             if hider is not None:
                 hidden[hider] = hidden.get(hider, 0) + 1
+                hidden_items.setdefault(hider, set()).add(self.item[leaf])
         out, said = [], set()
         for leaf, line in rows:
             hider = self.hider[leaf]
@@ -71,10 +76,15 @@ class Collapse:
                 out.append(line)
             elif hider not in said:
                 said.add(hider)
-                out.append(printable(f"  ... {hidden[hider]} more {what} under {key_str(hider) or '<root>'} (past "
-                                     f"the first {self.max_items} of its {self.size[hider]} items; --max-items 0 "
-                                     "shows all)"))
+                leaves, held = hidden[hider], len(hidden_items[hider])
+                out.append(printable(
+                    f"  ... {leaves} more {what[leaves != 1]} in {held} more item{'s' * (held != 1)} of "
+                    f"{key_str(hider)} (it holds {self.size[hider]} items, the first {self.max_items} shown; "
+                    "--max-items 0 shows all)"))
         return out
+
+
+NAME_WIDTH = 60  # the name column's width at most: a longer key has a line of its own, the columns below it
 
 
 def print_report(d: dict[str, Any], max_items: int = MAX_ITEMS) -> None:
@@ -84,19 +94,20 @@ def print_report(d: dict[str, Any], max_items: int = MAX_ITEMS) -> None:
     collapse = Collapse([path for path, _ in leaves], max_items)
     tensors = [(i, leaf) for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, TensorEntry)]
     keys = {i: printable(e.key) for i, e in tensors}
-    width = max([len(keys[i]) for i, _ in tensors if collapse.hider[i] is None] + [4])
+    width = max([n for i, _ in tensors if collapse.hider[i] is None and (n := len(keys[i])) <= NAME_WIDTH] + [4])
     rows = []
     for i, e in tensors:
         alias = printable(f"  (stored as {e.stored_as})") if e.stored_as != e.key else ""
         shape = str(list(e.shape))
-        rows.append((i, f"  {keys[i]:<{width}}  {e.dtype_name:<8} {shape:<20} {_human(e.nbytes)}{alias}"))
-    for line in collapse.lines(rows, "tensors"):
+        name = keys[i] if len(keys[i]) <= width else f"{keys[i]}\n  {'':<{width}}"  # wrapped, the columns kept
+        rows.append((i, f"  {name:<{width}}  {e.dtype_name:<8} {shape:<20} {_human(e.nbytes)}{alias}"))
+    for line in collapse.lines(rows, ("tensor", "tensors")):
         print(line)
     values = [(i, printable(f"  {key_str(path)}: {leaf!r}")) for i, (path, leaf) in enumerate(leaves)
               if not isinstance(leaf, TensorEntry)]
     if values:
         print("values:")
-        for line in collapse.lines(values, "values"):
+        for line in collapse.lines(values, ("value", "values")):
             print(line)
     if d["metadata"]:
         print("metadata:")
