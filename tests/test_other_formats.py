@@ -7,7 +7,9 @@ a damaged checkpoint is still corrupt, not taken for another format."""
 from __future__ import annotations
 
 import gzip
+import json
 import pickle
+import struct
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -119,17 +121,32 @@ def test_the_lightning_plug_in_says_what_to_do_with_a_torch_save_file(tmp_path: 
         StreamCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
 
 
-@pytest.mark.parametrize("damage", ["length", "json"])
-def test_a_damaged_checkpoint_is_corrupt_not_another_format(damage: str, tmp_path: Path) -> None:
+def _header_of(length: int, data: bytes) -> bytes:
+    """A safetensors file of one U8 tensor ``data`` whose header is ``length`` bytes long."""
+    table = json.dumps({"x": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}).encode()
+    return struct.pack("<Q", length) + table.ljust(length) + data
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    ("length", "exceeds the 100000000-byte limit"),
+    ("json", "header is not valid JSON"),
+    ("pickle_like_length", "it is truncated"),  # its length, 640, is 80 02 00 ...: a pickle's first bytes
+    ("gzip_like_length", "it is truncated"),  # 35615: 1f 8b 00 ...
+])  # fmt: skip
+def test_a_damaged_checkpoint_is_corrupt_not_another_format(damage: str, expected: str, tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save({"w": torch.randn(8, 4)}, path)
     raw = bytearray(path.read_bytes())
     if damage == "length":
         raw[5] = 0x40  # a header length past any limit
-    else:
+    elif damage == "json":
         raw[8] = ord("[")
+    else:
+        data = bytes(torch.randint(0, 256, (64,), dtype=torch.uint8).tolist())
+        raw = bytearray(_header_of(640 if damage == "pickle_like_length" else 35615, data)[:-10])
+        assert raw[:2] in (b"\x80\x02", b"\x1f\x8b")
     path.write_bytes(bytes(raw))
     with pytest.raises(ckptstream.CorruptCheckpointError) as e:
         ckptstream.load(path)
-    assert not isinstance(e.value, ckptstream.NotACheckpointError)
-    assert ("exceeds the 100000000-byte limit" if damage == "length" else "header") in str(e.value)
+    assert not isinstance(e.value, ckptstream.NotACheckpointError), e.value
+    assert expected in str(e.value)

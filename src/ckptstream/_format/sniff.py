@@ -31,6 +31,8 @@ class OtherFormat:
 def recognise(head: bytes, path: str) -> OtherFormat | None:
     """The format that the first bytes ``head`` of the file ``path`` show, or None (a damaged
     checkpoint, or bytes of no kind known here)."""
+    if head[8:9] == b"{":  # a header's JSON after its length (which may start as a pickle does: 640 is 80 02 ...)
+        return None
     zipped = head.startswith(_ZIP_ENTRY) and _first_zip_name(head).endswith(b"data.pkl")  # torch.save's first entry
     if zipped or head.startswith(_LEGACY_TORCH_SAVE):
         legacy = "" if zipped else " of the legacy (pickle) format"

@@ -216,14 +216,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstream", description=(__doc__ or "").split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="list the tensors, values, metadata and structure of a checkpoint (a "
-                             "file, a CheckpointManager directory or step folder, a DCP checkpoint's folder)")
+                             "file or object, a CheckpointManager directory or step folder, a DCP checkpoint's "
+                             "folder, a folder of checkpoint files such as a Hugging Face export)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table (nothing collapsed)")
     inspect.add_argument("--step", type=int, help="of a CheckpointManager directory: this step")
     inspect.add_argument("--max-items", type=_max_items, default=MAX_ITEMS, metavar="N",
                          help=f"show N items of each list or dict, then a count (default {MAX_ITEMS}; 0: all)")
-    check = sub.add_parser("verify", help="check checkpoints' headers, structure and checksums (files, "
-                           "CheckpointManager directories and step folders, DCP checkpoints' folders)")
+    check = sub.add_parser("verify", help="check checkpoints' headers, structure and checksums (files or "
+                           "objects, CheckpointManager directories and step folders, DCP checkpoints' folders, "
+                           "folders of checkpoint files: a Hugging Face export's index against its shards)")
     check.add_argument("paths", nargs="+", metavar="path")
     check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
     from . import _export as export
