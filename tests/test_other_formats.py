@@ -144,7 +144,7 @@ def test_a_damaged_checkpoint_is_corrupt_not_another_format(damage: str, expecte
     else:
         data = bytes(torch.randint(0, 256, (64,), dtype=torch.uint8).tolist())
         raw = bytearray(_header_of(640 if damage == "pickle_like_length" else 35615, data)[:-10])
-        assert raw[:2] in (b"\x80\x02", b"\x1f\x8b")
+        assert bytes(raw[:2]) in (b"\x80\x02", b"\x1f\x8b")
     path.write_bytes(bytes(raw))
     with pytest.raises(ckptstream.CorruptCheckpointError) as e:
         ckptstream.load(path)
