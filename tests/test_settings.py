@@ -121,7 +121,8 @@ def test_every_setting_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch
     assert _settings._ENVIRONMENT.get(field) == variable
     value, raw = _another_value(getattr(Settings(), field))
     monkeypatch.setenv(variable, raw)
-    assert _settings._from_environment() == dataclasses.replace(Settings(), **{field: value})
+    expected: dict[str, Any] = {field: value}
+    assert _settings._from_environment() == dataclasses.replace(Settings(), **expected)
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{field}` |")]
     assert len(rows) == 1, rows
     assert f"| `{variable}`" in rows[0], rows

@@ -20,6 +20,7 @@ from .._errors import StateMismatchError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
+from . import reports
 from .directory import StepCheck, check_step, check_steps
 from .ranks import FileRanks, GroupRanks, Ranks
 
@@ -207,7 +208,8 @@ class CheckpointManager:
             if self._ranks.collective:  # the other ranks wait for this one's outcome: send it
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,
                                           name=f"ckptstream-manager-{step}")
-                helper.start()
+                told = f"that the save of step {step} in {self.directory} failed" if self.world_size > 1 else None
+                reports.start(helper, told)
                 self._helpers.append(helper)
             raise
         self._last = step
