@@ -302,7 +302,7 @@ def test_a_shorter_holder_replaces_a_longer_ones_record(tmp_path: Path) -> None:
             second.save(state(2), 2)
         record = lock_file.read_bytes()
     holder = info.value.holder
-    assert (sorted(holder), holder.get("pid"), holder.get("host")) == (["host", "pid", "since"], os.getpid(),
+    assert (sorted(holder), holder.get("pid"), holder.get("host")) == (["host", "id", "pid", "since"], os.getpid(),
                                                                       socket.gethostname())
     assert record == json.dumps(holder).encode()
     assert f"process {os.getpid()} on host {socket.gethostname()!r}" in str(info.value)

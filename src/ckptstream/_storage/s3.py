@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import errno
 import http.client
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from .._errors import (
 )
 from .._settings import DirectIO
 from . import s3client, s3journal
-from .base import Entry, Kind, Lock, Source, Storage
+from .base import Entry, Kind, Lock, LockHeldError, Source, Storage
 from .s3client import S3Url
 from .s3upload import MultipartSink
 
@@ -36,6 +37,7 @@ STALE_AFTER = datetime.timedelta(hours=24)
 # first read (the header of most checkpoints), so that it needs no request of its own
 FIRST = 1 << 20
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
+RECORD_BYTES = 4096  # of a writer record read back (a manager's is about 150 bytes)
 
 
 class S3Source(Source):
@@ -332,12 +334,11 @@ class S3Storage(Storage):
         return sorted(k for k in keys if k and "/" not in k)
 
     def lock(self, path: str, holder: bytes) -> Lock:
-        """No lock: S3 has none that its holder's death releases (a lock object that a killed
-        writer left would refuse every later writer until someone removed it by hand; a lease
-        renewed by a thread, taken over once expired, is the way to one). So two managers that
-        write one prefix as the same rank are not refused here: each replaces the other's files."""
-        self._object(path)
-        return _NoLock()
+        """A writer record, not a lock: S3 has none that its holder's death releases (a lock
+        object that a killed writer left would refuse every later writer until someone removed
+        it by hand). The record names the newest writer: taking it replaces the one there, and
+        the writer it named learns so at its next ``check``."""
+        return WriterRecord(self, str(self._object(path)), holder)
 
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
@@ -422,11 +423,41 @@ class S3Storage(Storage):
         return last
 
 
-class _NoLock(Lock):
-    """``S3Storage.lock``'s: holds nothing."""
+class WriterRecord(Lock):
+    """``S3Storage.lock``'s: the object ``path`` holds the newest writer's ``holder`` bytes (one
+    PUT at the start, one GET per ``check``). A record found gone (its writer closed meanwhile)
+    is written again; closing removes it while it is still this writer's."""
+
+    def __init__(self, storage: S3Storage, path: str, holder: bytes) -> None:
+        self._storage, self.path, self._holder = storage, path, holder
+        self._pid: int | None = os.getpid()
+        storage.write_small(path, holder)
+
+    def _found(self) -> bytes | None:
+        try:
+            return self._storage.read_small(self.path, RECORD_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.EFBIG:  # not a record of ours: someone else's, too long to read
+                return b""
+            raise
+
+    def check(self) -> None:
+        if self._pid != os.getpid():
+            return
+        found = self._found()
+        if found is None:
+            self._storage.write_small(self.path, self._holder)
+        elif found != self._holder:
+            raise LockHeldError(self.path, found)
 
     def close(self) -> None:
-        pass
+        pid, self._pid = self._pid, None
+        if pid == os.getpid():  # in a forked child: the parent's record
+            with contextlib.suppress(OSError):  # a record left behind is taken over by the next writer
+                if self._found() == self._holder:
+                    self._storage.remove(self.path, missing_ok=True)
 
 
 def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
