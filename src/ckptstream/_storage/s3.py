@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import errno
 import http.client
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,8 +25,9 @@ from .._errors import (
 )
 from .._settings import DirectIO
 from . import s3client, s3journal
-from .base import Entry, Kind, Lock, LockHeldError, Source, Storage
+from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
+from .s3record import WriterRecord
 from .s3upload import MultipartSink
 
 # an upload untouched for this long is aborted by the next writer of its key, whoever started it
@@ -37,7 +37,6 @@ STALE_AFTER = datetime.timedelta(hours=24)
 # first read (the header of most checkpoints), so that it needs no request of its own
 FIRST = 1 << 20
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
-RECORD_BYTES = 4096  # of a writer record read back (a manager's is about 150 bytes)
 
 
 class S3Source(Source):
@@ -421,43 +420,6 @@ class S3Storage(Storage):
             parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
-
-
-class WriterRecord(Lock):
-    """``S3Storage.lock``'s: the object ``path`` holds the newest writer's ``holder`` bytes (one
-    PUT at the start, one GET per ``check``). A record found gone (its writer closed meanwhile)
-    is written again; closing removes it while it is still this writer's."""
-
-    def __init__(self, storage: S3Storage, path: str, holder: bytes) -> None:
-        self._storage, self.path, self._holder = storage, path, holder
-        self._pid: int | None = os.getpid()
-        storage.write_small(path, holder)
-
-    def _found(self) -> bytes | None:
-        try:
-            return self._storage.read_small(self.path, RECORD_BYTES)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno == errno.EFBIG:  # not a record of ours: someone else's, too long to read
-                return b""
-            raise
-
-    def check(self) -> None:
-        if self._pid != os.getpid():
-            return
-        found = self._found()
-        if found is None:
-            self._storage.write_small(self.path, self._holder)
-        elif found != self._holder:
-            raise LockHeldError(self.path, found)
-
-    def close(self) -> None:
-        pid, self._pid = self._pid, None
-        if pid == os.getpid():  # in a forked child: the parent's record
-            with contextlib.suppress(OSError):  # a record left behind is taken over by the next writer
-                if self._found() == self._holder:
-                    self._storage.remove(self.path, missing_ok=True)
 
 
 def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
