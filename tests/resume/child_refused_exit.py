@@ -20,9 +20,13 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, distribute_tensor
 
 import ckptstream
+
+try:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import Replicate, distribute_tensor  # type: ignore[attr-defined]
 
 
 def running_at_exit() -> None:
