@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,27 @@ def test_lazy_mode_manager_and_a_device_state(tmp_path: Path, device: torch.devi
         w.zero_()
     assert torch.equal(ckpts.load(1)["w"], expected)
     assert torch.equal(ckpts.load(1, device=device)["w"].cpu(), expected)
+
+
+def test_a_shorter_holder_replaces_a_longer_ones_record(tmp_path: Path) -> None:
+    """The lock file holds its last holder's record alone: a shorter record after a longer one
+    reads back whole, not followed by the longer one's tail."""
+    storage = storage_for(str(tmp_path))
+    lock_file = tmp_path / ".lock-rank-00000"
+    longer = json.dumps({"host": "h" * 300, "pid": 1, "since": "2020-01-01T00:00:00",
+                         "note": os.urandom(300).hex()}).encode()
+    storage.lock(str(lock_file), longer).close()
+    assert lock_file.read_bytes() == longer
+    with ckptstream.CheckpointManager(tmp_path) as first, ckptstream.CheckpointManager(tmp_path) as second:
+        first.save(state(1), 1, blocking=True)
+        with pytest.raises(ckptstream.DirectoryLockedError) as info:
+            second.save(state(2), 2)
+        record = lock_file.read_bytes()
+    holder = info.value.holder
+    assert (sorted(holder), holder.get("pid"), holder.get("host")) == (["host", "id", "pid", "since"], os.getpid(),
+                                                                      socket.gethostname())
+    assert record == json.dumps(holder).encode()
+    assert f"process {os.getpid()} on host {socket.gethostname()!r}" in str(info.value)
 
 
 # --- killed for real ---------------------------------------------------------------------------

@@ -60,8 +60,9 @@ def names(s: Setting, files: dict[str, Any]) -> None:
     s.done.write_bytes(record(files))
 
 
-# (the DONE marker and folder a case makes, the reason check_step must give)
-CASES: dict[str, tuple[Callable[[Setting], object], str]] = {
+# (the DONE marker and folder a case makes, the reason check_step must give: a pattern, or the
+# exact text made from the setting)
+CASES: dict[str, tuple[Callable[[Setting], object], str | Callable[[Setting], str]]] = {
     "parent path": (lambda s: names(s, {"../../outside/secret": 5000}), r"names '../../outside/secret': a path"),
     "absolute path": (lambda s: names(s, {str(s.secret): 5000}), r"names '/.*/outside/secret': a path"),
     "subfolder": (lambda s: _subfolder(s), r"names 'sub/state.safetensors': a path"),
@@ -87,8 +88,13 @@ CASES: dict[str, tuple[Callable[[Setting], object], str]] = {
     "a negative size": (lambda s: names(s, {"state.safetensors": -1}), r"not a map of names to sizes"),
     "another step": (lambda s: s.done.write_bytes(record({"state.safetensors": s.size}, step=999)),
                      r"DONE records step 999, the folder's name step 5"),
-    "size mismatch": (lambda s: names(s, {"state.safetensors": s.size + 1}),
-                      r"size mismatch of state.safetensors: DONE records (\d+) bytes, the file has \d+"),
+    # the file one byte shorter, and one byte longer, than DONE records
+    "file shorter than DONE": (lambda s: names(s, {"state.safetensors": s.size + 1}),
+                               lambda s: f"size mismatch of state.safetensors: DONE records {s.size + 1} bytes, "
+                                         f"the file has {s.size}"),
+    "file longer than DONE": (lambda s: names(s, {"state.safetensors": s.size - 1}),
+                              lambda s: f"size mismatch of state.safetensors: DONE records {s.size - 1} bytes, "
+                                        f"the file has {s.size}"),
     "rank file missing": (lambda s: _rank_file(s, None), r"state.safetensors is missing"),
     "rank file a link": (lambda s: _rank_file(s, s.secret), r"state.safetensors is not a regular file"),
     "no DONE, a rank failed": (lambda s: (s.folder / "FAILED-rank-00000").write_text("OSError: disk on fire\n"),
@@ -124,7 +130,10 @@ def test_a_hostile_step_is_incomplete_and_never_stops_saving(case: str, tmp_path
     check = ckptstream.check_step(s.folder)
     assert (check.step, check.complete) == (HOSTILE, False)
     assert check.problem is not None
-    assert re.search(reason, check.problem), check.problem
+    if callable(reason):
+        assert check.problem == reason(s)
+    else:
+        assert re.search(reason, check.problem), check.problem
     with ckptstream.CheckpointManager(s.directory, keep=1) as ckpts:
         assert (ckpts.steps(), ckpts.latest_step()) == ([1], 1)
         assert [c.step for c in ckptstream.check_steps(s.directory) if not c.complete] == [HOSTILE]

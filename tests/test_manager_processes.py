@@ -39,8 +39,9 @@ def spawn() -> Iterator[Spawn]:
     children: list[subprocess.Popen[str]] = []
 
     def start(script: str, *args: str) -> subprocess.Popen[str]:
-        child = subprocess.Popen([sys.executable, str(HERE / script), *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+        child = subprocess.Popen([sys.executable, str(HERE / script), *args], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                                 start_new_session=True)
         children.append(child)
         return child
 
@@ -215,3 +216,49 @@ def test_group_a_rank_that_never_saves_times_out(tmp_path: Path, spawn: Spawn) -
     assert report["incomplete"] is True, report
     assert "rank 0 waited 1 s (the manager's timeout) sending its outcome" in report["message"], report
     assert report["steps"] == []
+
+
+# --- exiting with a refused save's report in flight ------------------------------------------------
+
+WAITING = "ckptstream: waiting to tell the other ranks that the save of step 1 in "
+
+
+@pytest.mark.timeout(180)
+def test_a_refused_save_of_a_manager_kept_in_no_variable_exits_normally(tmp_path: Path, spawn: Spawn) -> None:
+    """Rank 0's manager refuses a DTensor and the process ends at once: its report of the refusal
+    to rank 1 (a gloo collective, in a thread) is still waiting for rank 1 then. Exit waits for it,
+    and says so, before the interpreter shuts down: a thread still inside a collective then
+    aborts the process once the collective returns. Rank 1 saves only once rank 0 waits."""
+    rank0, rank1 = (spawn("child_refused_exit.py", str(rank), "2", str(tmp_path)) for rank in (0, 1))
+    assert rank0.stdout is not None
+    assert rank0.stderr is not None
+    assert rank1.stdin is not None
+    assert rank0.stdout.readline().strip() == "refused"
+    lines = []
+    for line in rank0.stderr:  # its first word after the refusal: waiting, or the interpreter's last hook
+        lines.append(line)
+        if line.startswith((WAITING, "at exit:")):
+            break
+    assert lines, "rank 0 ended without a word"
+    assert lines[-1].startswith(WAITING), "".join(lines)
+    assert f"{tmp_path / 'ckpts'} failed before exiting" in lines[-1], lines[-1]
+    rank1.stdin.write("go\n")
+    rank1.stdin.flush()
+    _, err0 = rank0.communicate()  # (what rank 0 said before is read above: nothing is in a buffer)
+    out1, err1 = rank1.communicate()
+    assert (rank0.returncode, rank1.returncode) == (0, 0), f"{err0}\n{err1}"
+    assert err0.splitlines()[-1] == "at exit: 0 manager thread(s) running", err0
+    assert out1.split() == ["made", "refused"], out1
+    assert err1.splitlines()[-1] == "at exit: 0 manager thread(s) running", err1
+    assert not (tmp_path / "ckpts" / "step-000000000001" / "DONE").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_save_of_one_rank_exits_normally(tmp_path: Path, spawn: Spawn) -> None:
+    """The same with a group of one rank, which has nobody to wait for: silent, status 0."""
+    child = spawn("child_refused_exit.py", "0", "1", str(tmp_path))
+    out, err = child.communicate()
+    assert child.returncode == 0, err
+    assert out.split() == ["refused"], out
+    assert err.splitlines()[-1] == "at exit: 0 manager thread(s) running", err
+    assert "ckptstream:" not in err, err  # nobody else waits: nothing to say

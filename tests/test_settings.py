@@ -4,6 +4,7 @@ per-call keywords are tested in test_api_deprecations.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from ckptstream._engine.engine import Engine
 from ckptstream._export.copy import Copier
 from tests.helpers import assert_bytes_equal, random_bytes, random_tensor, spy_on_staging
 
-ENV = ("CKPTSTREAM_BUFFER_SIZE", "CKPTSTREAM_NUM_BUFFERS", "CKPTSTREAM_IO_THREADS", "CKPTSTREAM_DIRECT_IO")
+# every setting's variable, derived from the fields: the table of _settings is checked against it
+ENV = tuple(f"CKPTSTREAM_{field.name.upper()}" for field in dataclasses.fields(Settings))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -97,6 +100,32 @@ def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTSTREAM_NUM_BUFFERS", "0")
     with pytest.raises(ValueError, match="CKPTSTREAM_NUM_BUFFERS"):
         _settings._from_environment()
+
+
+def _another_value(default: object) -> tuple[object, str]:
+    """A valid value of a setting other than its default, and how the environment spells it."""
+    if isinstance(default, DirectIO):
+        other = next(d for d in DirectIO if d is not default)
+        return other, other.value
+    if isinstance(default, int) and not isinstance(default, bool):
+        return default + 4096, str(default + 4096)  # a multiple of 4096 away: every direct_io takes it
+    raise AssertionError(f"a setting of type {type(default).__name__}: say here how the environment spells one")
+
+
+@pytest.mark.usefixtures("clean_environment")
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Settings)])
+def test_every_setting_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    """``CKPTSTREAM_<SETTING>`` sets that setting alone, for every field of Settings (a variable
+    misspelt in the table is never read); the README's table names the same variable."""
+    variable = f"CKPTSTREAM_{field.upper()}"
+    assert _settings._ENVIRONMENT.get(field) == variable
+    value, raw = _another_value(getattr(Settings(), field))
+    monkeypatch.setenv(variable, raw)
+    expected: dict[str, Any] = {field: value}
+    assert _settings._from_environment() == dataclasses.replace(Settings(), **expected)
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{field}` |")]
+    assert len(rows) == 1, rows
+    assert f"| `{variable}`" in rows[0], rows
 
 
 @pytest.mark.usefixtures("clean_environment")

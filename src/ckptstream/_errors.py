@@ -95,6 +95,12 @@ class ConnectionLostError(ObjectStoreError, ConnectionError):
     default_errno = errno.ECONNRESET
 
 
+class ObjectReplacedError(ObjectStoreError):
+    """An object was replaced while it was read: a later read found another ETag or size than its
+    opening. A load (``load``, ``load_into``, ``verify``) then reads it again once from a new
+    opening, and raises this when that races a replace too."""
+
+
 class StateMismatchWarning(UserWarning):
     """load_into(strict=False) skipped keys; ``missing`` and ``unexpected`` list them."""
 

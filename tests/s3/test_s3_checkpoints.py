@@ -147,8 +147,10 @@ def test_a_checkpoint_manager_on_s3(s3: Bucket) -> None:
         for step, state in states.items():
             ckpts.save(state, step, blocking=True)
         assert ckpts.steps() == [2, 3]
-        assert sorted(s3.keys()) == [f"run/ckpts/step-00000000000{s}/{n}" for s in (2, 3)
-                                     for n in ("DONE", "state.safetensors")]
+        # and the writer's record, while it writes (removed when it closes)
+        assert sorted(s3.keys()) == ["run/ckpts/.lock-rank-00000"] + [f"run/ckpts/step-00000000000{s}/{n}"
+                                                                      for s in (2, 3)
+                                                                      for n in ("DONE", "state.safetensors")]
         assert_same_state(ckpts.load(2), states[2])
         target = {"w": torch.full((1000, 33), float("nan")), "step": -1}
         assert_same_state(ckpts.load_into(target), states[3])
@@ -189,8 +191,8 @@ def test_the_managers_done_is_made_last_and_pruning_goes_by_prefix(s3: Bucket) -
         for step in (1, 2):
             ckpts.save({"w": random_tensor((3 * MiB,)), "b": random_tensor(10), "step": step}, step, blocking=True)
     steps = [f"run/ckpts/step-00000000000{s}/" for s in (1, 2)]
-    assert made == [steps[0] + "state.safetensors", steps[0] + "DONE", steps[1] + "state.safetensors",
-                    steps[1] + "DONE"]
+    assert made == ["run/ckpts/.lock-rank-00000", steps[0] + "state.safetensors", steps[0] + "DONE",
+                    steps[1] + "state.safetensors", steps[1] + "DONE"]  # the writer's record first
     assert s3.keys() == ["run/ckpts/notes.txt", "run/ckpts/step-0000000000011/keep", steps[1] + "DONE",
                          steps[1] + "state.safetensors"]
     assert s3.uploads() == []

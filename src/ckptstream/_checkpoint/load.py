@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _gc
 from .._engine import gpucrc
+from .._errors import ObjectReplacedError
 from .._settings import LegacyKeywords, Settings, current_settings, legacy_overrides, per_call
 from . import mapped
 from .reader import CheckpointReader, Device, as_device
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+T = TypeVar("T")
 
 
 def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
@@ -49,6 +53,24 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
         ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
     """
     return CheckpointReader(path, per_call("open", settings, legacy))
+
+
+def once_more_if_replaced(read: Callable[[], T]) -> T:
+    """``read()`` (a whole read from an opening of its own), and once more where the object was
+    replaced while it was read (an object store): the second reads the new object whole.
+
+    Raises:
+        ObjectReplacedError: the second read raced a replace too.
+    """
+    try:
+        return read()
+    except ObjectReplacedError:
+        pass
+    try:
+        return read()
+    except ObjectReplacedError as e:
+        raise ObjectReplacedError(e.url, f"{e.strerror}, and again when read a second time from a new opening: it "
+                                  "is being replaced over and over; load it once its writer is done", e.code) from e
 
 
 def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
@@ -107,8 +129,13 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
     # the collector paused throughout: a load of many tensors allocates a few objects per tensor
     # (none in cycles), and a collection between its phases would scan them all again
     gpu = as_device(device) if checksum and not mmap else None
-    with _gc.paused(), gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
-        return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
+
+    def read() -> Any:
+        with CheckpointReader(path, cfg) as reader:
+            return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
+
+    with _gc.paused(), gpucrc.built_meanwhile(gpu):
+        return once_more_if_replaced(read)
 
 
 def verify(path: str | os.PathLike[str], *, progress: bool = False, settings: Settings | None = None,
@@ -123,8 +150,13 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False, settings: Se
     Raises:
         CorruptCheckpointError: naming what is wrong (and which tensor, for a checksum).
     """
-    with CheckpointReader(path, per_call("verify", settings, legacy)) as reader:
-        reader.verify(progress=progress)
+    cfg = per_call("verify", settings, legacy)
+
+    def read() -> None:
+        with CheckpointReader(path, cfg) as reader:
+            reader.verify(progress=progress)
+
+    once_more_if_replaced(read)
 
 
 def read_metadata(path: str | os.PathLike[str], **legacy: Unpack[LegacyKeywords]) -> dict[str, str]:

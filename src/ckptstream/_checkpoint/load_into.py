@@ -29,7 +29,7 @@ from .._errors import StateMismatchError, StateMismatchWarning
 from .._format.flatten import walk
 from .._format.structure import KeyPath, View, key_str, make_view
 from .._settings import LegacyKeywords, Settings, per_call
-from .load import checksum_argument
+from .load import checksum_argument, once_more_if_replaced
 from .reader import CheckpointReader, TensorEntry, target_device
 
 if TYPE_CHECKING:
@@ -317,20 +317,25 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     cfg = per_call("load_into", settings, legacy)
     # the collector paused throughout, as in load: a few objects per tensor, none in cycles
     with _gc.paused():
-        targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
-        gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
-        with gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
-            entries = {e.path: e for e in reader.entries()}
-            created, blobs = _created(reader, state, targets, device)
-            targets.update(created)
-            found = _survey(targets, entries)
-            _match(reader.path, entries, targets, found, strict)
-            _check_destinations(reader.path, entries, targets, found)
-            dests, copies = _destinations(entries.values(), targets, blobs)
-            # every stored tensor: those without a target are read for their checksums
-            wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
-            reader.stream(wanted, checksum=checksum, progress=progress)
-            with torch.no_grad():
-                for target, source in copies:
-                    copyable(target).copy_(copyable(source))
-            return reader.rebuild(lambda entry: targets.get(entry.path))
+        given = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
+        gpu = next((t.device for t in given.values() if t.is_cuda), None) if checksum else None
+
+        def read() -> Any:  # the whole of it again where the object is replaced meanwhile
+            with CheckpointReader(path, cfg) as reader:
+                entries = {e.path: e for e in reader.entries()}
+                created, blobs = _created(reader, state, given, device)
+                targets = {**given, **created}
+                found = _survey(targets, entries)
+                _match(reader.path, entries, targets, found, strict)
+                _check_destinations(reader.path, entries, targets, found)
+                dests, copies = _destinations(entries.values(), targets, blobs)
+                # every stored tensor: those without a target are read for their checksums
+                wanted: dict[str, torch.Tensor | None] = {t.name: dests.get(t.name) for t in reader.header.tensors}
+                reader.stream(wanted, checksum=checksum, progress=progress)
+                with torch.no_grad():
+                    for target, source in copies:
+                        copyable(target).copy_(copyable(source))
+                return reader.rebuild(lambda entry: targets.get(entry.path))
+
+        with gpucrc.built_meanwhile(gpu):
+            return once_more_if_replaced(read)

@@ -20,6 +20,7 @@ from .._errors import StateMismatchError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
+from . import reports
 from .directory import StepCheck, check_step, check_steps
 from .ranks import FileRanks, GroupRanks, Ranks
 
@@ -93,7 +94,9 @@ class CheckpointManager:
 
     One manager writes as a rank of a directory at a time: the first ``save`` (with several
     ranks: making the manager, which cleans up then) takes the rank's lock, held until
-    ``close()``; another writer gets ``DirectoryLockedError``. Reading needs no lock.
+    ``close()``; another writer gets ``DirectoryLockedError``. (On an object store, which has
+    no lock that a dead holder releases, the newest writer takes over, and the one it replaced
+    gets ``DirectoryLockedError`` at its next save or DONE.) Reading needs no lock.
 
     Example:
         >>> with ckptstream.CheckpointManager("ckpts", keep=3) as ckpts:
@@ -190,6 +193,7 @@ class CheckpointManager:
         if not _is_step(step) or not 0 <= step <= _directory.LARGEST_STEP:
             raise ValueError(f"step must be an integer in [0, {_directory.LARGEST_STEP}], got {step!r}")
         self._ranks.lock()
+        self._ranks.check_lock()  # an object store's: another manager may have taken over the rank
         latest = max((s for s in (self._last, self.latest_step()) if s is not None), default=None)
         if latest is not None and step <= latest:
             raise ValueError(f"step {step} is not after step {latest}, the newest checkpoint of {self.directory}: "
@@ -207,7 +211,8 @@ class CheckpointManager:
             if self._ranks.collective:  # the other ranks wait for this one's outcome: send it
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,
                                           name=f"ckptstream-manager-{step}")
-                helper.start()
+                told = f"that the save of step {step} in {self.directory} failed" if self.world_size > 1 else None
+                reports.start(helper, told)
                 self._helpers.append(helper)
             raise
         self._last = step
@@ -228,6 +233,7 @@ class CheckpointManager:
         self._ranks.complete(step, error, functools.partial(self._publish, step))
 
     def _publish(self, step: int) -> None:
+        self._ranks.check_lock()  # the last look before the step counts
         _directory.write_done(self.directory, step, self.world_size)
         try:
             self._prune(step)
@@ -270,6 +276,7 @@ class CheckpointManager:
         """
         self._check_writer()
         self._ranks.lock()
+        self._ranks.check_lock()
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _directory.LARGEST_STEP:
             raise FileNotFoundError(2, f"no checkpoint of step {step!r}", self.directory)
         folder = _directory.step_dir(self.directory, step)

@@ -61,6 +61,12 @@ class Ranks:
         if self._lock is None:
             self._lock = WriterLock(self.directory, self.rank)
 
+    def check_lock(self) -> None:
+        """Raise DirectoryLockedError where another manager has taken this rank's lock over
+        since it was taken (``WriterLock.check``)."""
+        if self._lock is not None:
+            self._lock.check()
+
     def complete(self, step: int, error: BaseException | None, publish: Callable[[], None]) -> None:
         """Called in the worker once this rank's file of ``step`` is durable (``error`` None) or
         failed; returns once the step is complete, or raises why it is not."""

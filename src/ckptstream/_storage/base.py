@@ -64,6 +64,12 @@ class Lock(abc.ABC):
         """Release the lock; safe to call twice. In a forked child (which never holds its
         parent's locks): nothing, the parent's lock stays held."""
 
+    def check(self) -> None:
+        """Raise LockHeldError (with the other writer's ``holder``) where another writer has
+        taken the lock since: a store without a lock (an object store) holds the writer's
+        record instead, which a later writer replaces. Nothing where the lock cannot be lost."""
+        return
+
 
 class Target(abc.ABC):
     """What sources and sinks share: a name for messages and the grid transfers are planned on."""
@@ -252,9 +258,11 @@ class Storage(abc.ABC):
     def lock(self, path: str, holder: bytes) -> Lock:
         """Take the writer lock named ``path``, held until the returned lock is closed: until
         then every other ``lock(path)``, of this process or another, raises LockHeldError with
-        ``holder`` (a few hundred bytes saying who holds it). A holder that dies releases it
-        (a lock that outlived its writer would stop every later writer); a forked child does
-        not hold its parent's locks. Raises OSError where the lock cannot be made."""
+        ``holder`` (a few hundred bytes saying who holds it, different for each holder). A
+        holder that dies releases it (a lock that outlived its writer would stop every later
+        writer); a forked child does not hold its parent's locks. A store that has no such lock
+        (an object store) gives a record instead, which the next writer takes over: the
+        holder's ``check`` then raises. Raises OSError where the lock cannot be made."""
 
     def absolute(self, path: str) -> str:
         """``path`` in a form that names the same place whatever the working directory (a local

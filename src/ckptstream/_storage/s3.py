@@ -16,11 +16,18 @@ import http.client
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .._errors import BucketNotFoundError, ConnectionLostError, ObjectNotFoundError, ObjectStoreError
+from .._errors import (
+    BucketNotFoundError,
+    ConnectionLostError,
+    ObjectNotFoundError,
+    ObjectReplacedError,
+    ObjectStoreError,
+)
 from .._settings import DirectIO
 from . import s3client, s3journal
 from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
+from .s3record import WriterRecord
 from .s3upload import MultipartSink
 
 # an upload untouched for this long is aborted by the next writer of its key, whoever started it
@@ -124,6 +131,7 @@ class S3Source(Source):
                 kwargs["IfMatch"] = self._etag
             try:
                 response = self._client.get_object(**kwargs)
+                self._check_version(response, what)
                 if response["ContentLength"] != hi - lo:  # a server that ignored the range sent it all
                     raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
                                            f"bytes, not {hi - lo}; it does not serve byte ranges")
@@ -143,9 +151,12 @@ class S3Source(Source):
                 raise
             except Exception as e:
                 typed = s3client.error(e, self.url, what)
-                if getattr(typed, "code", None) in ("PreconditionFailed", "412"):
-                    raise ObjectStoreError(self.name, "the object was replaced while it was read; open it again",
-                                           "PreconditionFailed") from e
+                code = getattr(typed, "code", None)
+                if code in ("PreconditionFailed", "412", "InvalidRange", "416"):
+                    # not the ETag opened, or no longer the bytes asked for (all lie within the size opened)
+                    raise ObjectReplacedError(self.name, f"{what}: the object was replaced while it was read "
+                                              "(its ETag or size changed since it was opened); load it again",
+                                              code) from e
                 if not isinstance(typed, ConnectionLostError):
                     raise typed from e
                 cause = e
@@ -153,6 +164,19 @@ class S3Source(Source):
             if failures >= s3client.DEFAULT_ATTEMPTS:
                 raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause
+
+    def _check_version(self, response: dict[str, Any], what: str) -> None:
+        """Raise ObjectReplacedError where a GET's answer is of another object than the one opened:
+        a store that ignores If-Match (rclone does) answers with the new object's bytes, which
+        must never reach a tensor or its checksum."""
+        etag = response.get("ETag") or None
+        whole = response.get("ContentRange", "").rpartition("/")[2]
+        size = int(whole) if whole.isdigit() else self._size
+        if size != self._size or (etag is not None and self._etag is not None and etag != self._etag):
+            response["Body"].close()
+            raise ObjectReplacedError(self.name, f"{what}: the object was replaced while it was read (opened: "
+                                      f"{self._size} bytes, ETag {self._etag}; now: {size} bytes, ETag {etag}); "
+                                      "load it again", "Replaced")
 
     def close(self) -> None:
         self._first = b""
@@ -309,12 +333,11 @@ class S3Storage(Storage):
         return sorted(k for k in keys if k and "/" not in k)
 
     def lock(self, path: str, holder: bytes) -> Lock:
-        """No lock: S3 has none that its holder's death releases (a lock object that a killed
-        writer left would refuse every later writer until someone removed it by hand; a lease
-        renewed by a thread, taken over once expired, is the way to one). So two managers that
-        write one prefix as the same rank are not refused here: each replaces the other's files."""
-        self._object(path)
-        return _NoLock()
+        """A writer record, not a lock: S3 has none that its holder's death releases (a lock
+        object that a killed writer left would refuse every later writer until someone removed
+        it by hand). The record names the newest writer: taking it replaces the one there, and
+        the writer it named learns so at its next ``check``."""
+        return WriterRecord(self, str(self._object(path)), holder)
 
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
@@ -397,13 +420,6 @@ class S3Storage(Storage):
             parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
-
-
-class _NoLock(Lock):
-    """``S3Storage.lock``'s: holds nothing."""
-
-    def close(self) -> None:
-        pass
 
 
 def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:

@@ -1,0 +1,89 @@
+"""Threads that tell the other ranks of a save refused before it began (``CheckpointManager.save``
+raises at once; the others wait in a collective for this rank's outcome), waited for before the
+interpreter shuts down.
+
+Such a thread spends its time inside gloo collectives, with the GIL released. Were it still there
+when the interpreter finalizes, it would try to take the GIL back when the collective returns and
+be ended by the interpreter from inside torch's C++ frames, which aborts the process. So exit
+waits for it (threading's exit hook, before the atexit hooks and the shutdown), saying so on
+stderr: the collective ends within the manager's timeout. A Ctrl-C there abandons it and ends
+the process as an interrupted one, without the shutdown that would abort.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+from .._checkpoint.save_async import say_at_exit
+
+_lock = threading.Lock()
+_running: list[tuple[threading.Thread, str | None]] = []  # with what it tells, for the line said at exit
+_hooked = False
+_in_threading_hook = False  # the hook runs before the atexit hooks (not among them)
+
+
+def start(thread: threading.Thread, what: str | None) -> None:
+    """Start ``thread`` (a daemon), which tells the other ranks ``what``; exit waits for it (and
+    says so, unless ``what`` is None: no other rank waits)."""
+    global _hooked
+    with _lock:
+        _running[:] = [(t, w) for t, w in _running if t.is_alive()]
+        _running.append((thread, what))
+        if not _hooked:
+            _hooked = True
+            _hook()
+    thread.start()
+
+
+def _hook() -> None:
+    global _in_threading_hook
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError
+        register(_at_exit)
+        _in_threading_hook = True
+    except RuntimeError:  # already shutting down (or no such hook): the atexit hooks still run
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    with _lock:
+        running = [(t, w) for t, w in _running if t.is_alive()]
+    try:
+        for thread, what in running:
+            if what is not None and thread.is_alive():
+                say_at_exit(f"waiting to tell the other ranks {what} before exiting (at most the manager's "
+                            "timeout; Ctrl-C abandons it)")
+            while thread.is_alive():  # in slices: a Ctrl-C is seen between them
+                thread.join(0.1)
+    except KeyboardInterrupt:
+        say_at_exit("abandoned telling the other ranks: they wait until the manager's timeout")
+        _end_interrupted()
+
+
+def _end_interrupted() -> None:
+    """End the process as an interrupted one (the atexit hooks run, then SIGINT: status 130),
+    never through the shutdown that the abandoned thread would abort."""
+    run_hooks = getattr(atexit, "_run_exitfuncs", None)
+    if _in_threading_hook and run_hooks is not None:
+        run_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
+
+
+def _forget_after_fork() -> None:
+    global _lock, _running
+    _lock, _running = threading.Lock(), []  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
