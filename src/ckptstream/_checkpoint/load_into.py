@@ -272,8 +272,8 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
 
 
 def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
-              checksum: bool = True, progress: bool = False, verify: bool | None = None,
-              settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
+              checksum: bool = True, progress: bool = False, require_checksums: bool = False,
+              verify: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
 
     Args:
@@ -297,6 +297,8 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             0.1.0; a mismatch raises CorruptCheckpointError, see docs/reliability.md for what
             the targets then hold).
         progress: show a progress bar on stderr.
+        require_checksums: refuse, before a byte is written, a file that stores no checksums
+            (a file without them otherwise loads unchecked; see docs/reliability.md).
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
             ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
@@ -319,7 +321,7 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
     with _gc.paused():
         targets = {p: v for p, v in walk(state) if isinstance(v, torch.Tensor)}
         gpu = next((t.device for t in targets.values() if t.is_cuda), None) if checksum else None
-        with gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg) as reader:
+        with gpucrc.built_meanwhile(gpu), CheckpointReader(path, cfg, require_checksums=require_checksums) as reader:
             entries = {e.path: e for e in reader.entries()}
             created, blobs = _created(reader, state, targets, device)
             targets.update(created)

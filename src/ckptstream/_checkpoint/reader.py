@@ -24,7 +24,7 @@ import torch
 
 from .. import _gc
 from .._engine import BYTE_COPIED, PLAIN_TENSORS, Piece, ReadEngine, check_tensor, empty_tensor
-from .._errors import CorruptCheckpointError, StateMismatchError
+from .._errors import ChecksumsMissingError, CorruptCheckpointError, StateMismatchError
 from .._format import header as _header
 from .._format.header import Header
 from .._format.slices import normalize_box, slice_pieces
@@ -118,17 +118,29 @@ def target_device(device: Device) -> torch.device:
 class CheckpointReader:
     """An open checkpoint (ours or any safetensors file); see ``ckptstream.open``."""
 
-    def __init__(self, path: str | os.PathLike[str], cfg: Settings) -> None:
+    def __init__(self, path: str | os.PathLike[str], cfg: Settings, *, require_checksums: bool = False) -> None:
         self.path, self._cfg = os.fsdecode(path), cfg
         self._source: Source = storage_for(self.path).open(self.path)  # a FIFO is refused, not waited on
         try:
             with _gc.paused():
                 self.header = self._read_header()
+                if require_checksums:
+                    self.require_checksums()
                 table = {t.name: t.nbytes for t in self.header.tensors}
                 self._structure = parse_structure(self.header.structure, table, self.path)
         except BaseException:
             self._source.close()
             raise
+
+    def require_checksums(self, unchecked: str = "pass require_checksums=False") -> None:
+        """Raise ChecksumsMissingError unless the file stores its checksums; ``unchecked`` says
+        how the caller reads it without them."""
+        if self.header.crcs is None:
+            raise ChecksumsMissingError(
+                f"{self.path}: holds no checksums (no {_header.CRC_KEY} in its header's __metadata__), and they are "
+                "required: it was saved without them (checksum=False, or by another writer), or a tool rewrote its "
+                f"header without ckptstream's metadata; restore it from a copy that has them, or {unchecked} to "
+                "read it unchecked")
 
     def _read_header(self) -> Header:
         size = self._source.size()

@@ -10,13 +10,14 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
-from .._errors import StateMismatchError
+from .._errors import ChecksumsMissingError, StateMismatchError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
@@ -306,9 +307,13 @@ class CheckpointManager:
     def load(self, step: int | None = None, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
              mmap: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
         """``ckptstream.load`` of this process's file of checkpoint ``step`` (default: the newest);
-        ``settings`` (default: the manager's) as for ``ckptstream.load``."""
+        ``settings`` (default: the manager's) as for ``ckptstream.load``. With ``checksum`` (and
+        the manager's), a file that stores no checksums is refused (ChecksumsMissingError)."""
         cfg = self._settings(settings, legacy, "CheckpointManager.load")
-        return load_file(self.path(step), device=device, checksum=checksum, progress=progress, mmap=mmap, settings=cfg)
+        path = self.path(step)
+        with self._own_file(path):
+            return load_file(path, device=device, checksum=checksum, progress=progress, mmap=mmap,
+                             require_checksums=checksum and self.checksum, settings=cfg)
 
     def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Any = "auto",
                   checksum: bool = True, progress: bool = False, settings: Settings | None = None,
@@ -317,10 +322,24 @@ class CheckpointManager:
         newest). A freshly built optimizer works: its moments, which its ``state_dict()`` lacks,
         are created on ``device`` (see ``load_into``); pass the result's part to
         ``optimizer.load_state_dict``. ``settings`` (default: the manager's) as for
-        ``ckptstream.load_into``."""
+        ``ckptstream.load_into``; a file without checksums is refused as by ``load``."""
         cfg = self._settings(settings, legacy, "CheckpointManager.load_into")
-        return load_into_file(state, self.path(step), strict=strict, device=device, checksum=checksum,
-                              progress=progress, settings=cfg)
+        path = self.path(step)
+        with self._own_file(path):
+            return load_into_file(state, path, strict=strict, device=device, checksum=checksum, progress=progress,
+                                  require_checksums=checksum and self.checksum, settings=cfg)
+
+    @contextlib.contextmanager
+    def _own_file(self, path: str) -> Iterator[None]:
+        """Say why a step's file must hold checksums: the manager wrote it, with them."""
+        try:
+            yield
+        except ChecksumsMissingError as e:
+            raise ChecksumsMissingError(
+                f"{path}: holds no checksums, though its step is complete (its DONE marker counts the file the "
+                "manager wrote) and this manager stores them (checksum=True): a tool rewrote its header without "
+                "ckptstream's __metadata__, or a manager with checksum=False saved it; restore the step from a copy, "
+                "or load it with checksum=False to read it unchecked") from e
 
     def _settings(self, settings: object = None, legacy: LegacyKeywords | None = None, where: str = "") -> Settings:
         """The settings of one transfer: the call's, else the manager's, else those in force

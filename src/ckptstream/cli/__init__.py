@@ -70,9 +70,9 @@ def inspect_report(path: str) -> dict[str, Any]:
 # --- verify ---------------------------------------------------------------------------------
 
 
-def _verify_file(path: str) -> Verdict:
+def _verify_file(path: str, require_checksums: bool = False) -> Verdict:
     def check() -> str:
-        with ckptstream.open(path) as reader:
+        with ckptstream.open(path, require_checksums=require_checksums) as reader:
             reader.verify()
             return (f"{len(reader)} tensors, checksums verified" if reader.checksummed
                     else "structure only: the file has no checksums")
@@ -123,13 +123,13 @@ def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
     return "file", None
 
 
-def verify(path: str, step: int | None = None) -> list[Verdict]:
-    """The verdict on each checkpoint at ``path``."""
+def verify(path: str, step: int | None = None, require_checksums: bool = False) -> list[Verdict]:
+    """The verdict on each checkpoint at ``path`` (``require_checksums``: a file without them fails)."""
     kind, refused = _what_is(path, step)
     if refused is not None:
         return [refused]
     if kind == "file":
-        return [_verify_file(path)]
+        return [_verify_file(path, require_checksums)]
     try:
         if kind == MANAGER:
             return _dirs.check_manager(path, step)
@@ -205,6 +205,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            "CheckpointManager directories and step folders, DCP checkpoints' folders)")
     check.add_argument("paths", nargs="+", metavar="path")
     check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
+    check.add_argument("--require-checksums", action="store_true",
+                       help="a checkpoint file that stores no checksums fails (exit status 1) instead of being "
+                            "checked for its structure only")
     from . import _export as export
 
     export.add_arguments(sub.add_parser("export-hf", help=export.HELP, description=export.HELP))
@@ -228,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         status = 0
         for path in args.paths:
-            for verdict in verify(path, args.step):
+            for verdict in verify(path, args.step, args.require_checksums):
                 if verdict.status == 0:
                     print(printable(verdict.line))
                 else:
