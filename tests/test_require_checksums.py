@@ -44,11 +44,11 @@ def flat_state() -> dict[str, torch.Tensor]:
     return {"w": random_tensor((64, 33)), "b": random_tensor(17, torch.bfloat16), "i": random_tensor(9, torch.int64)}
 
 
-def assert_same(got: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
+def assert_same(got: dict[str, Any], want: dict[str, torch.Tensor], where: str = "") -> None:
+    assert sorted(got) == sorted(want), where
     for key, t in want.items():
-        assert (got[key].dtype, got[key].shape) == (t.dtype, t.shape), key
-        assert as_bytes(got[key]) == as_bytes(t), key
+        assert (got[key].dtype, got[key].shape) == (t.dtype, t.shape), (where, key)
+        assert as_bytes(got[key]) == as_bytes(t), (where, key)
 
 
 def every_way(path: Path, require: bool) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def every_way(path: Path, require: bool) -> dict[str, Any]:
     ckptstream.load_into(into, path, require_checksums=require)
     got["load_into"] = into
     with ckptstream.open(path, require_checksums=require) as reader:
-        got["open"] = {k: reader.read(k) for k in reader.keys()}
+        got["open"] = {k: reader.read(k) for k in state}
     ckptstream.verify(path, require_checksums=require)
     return got
 
@@ -72,13 +72,13 @@ def test_file_without_checksums_is_refused_every_way(tmp_path: Path, how: str) -
     path = tmp_path / "model.safetensors"
     ckptstream.save(state, path)
     for way, got in every_way(path, require=True).items():  # saved with checksums: accepted
-        assert_same(got, state), way
+        assert_same(got, state, way)
     if how == "by_hand":
         strip_metadata(path)
     else:  # what a tool that copies a file through safetensors writes
         safetensors.torch.save_file(safetensors.torch.load_file(str(path)), str(path))
     for way, got in every_way(path, require=False).items():  # interop: loads, unchecked
-        assert_same(got, state), way
+        assert_same(got, state, way)
     with ckptstream.open(path) as reader:
         assert not reader.checksummed
     into = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -113,16 +113,17 @@ def test_cli_verify_require_checksums(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_manager_refuses_a_step_file_that_lost_its_checksums(tmp_path: Path) -> None:
-    state = {"model": flat_state(), "step": 10}
+    model = flat_state()
+    state: dict[str, Any] = {"model": model, "step": 10}
     with ckptstream.CheckpointManager(tmp_path / "ckpts") as ckpts:
         ckpts.save(state, 10, blocking=True)
         ckpts.save({**state, "step": 20}, 20, blocking=True)
     reader = ckptstream.CheckpointManager(tmp_path / "ckpts")
-    assert_same(reader.load(20)["model"], state["model"])
+    assert_same(reader.load(20)["model"], model)
     file = Path(reader.path(20))
     strip_metadata(file)
     assert reader.steps() == [10, 20]  # DONE's record (names, sizes) still holds
-    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+    fresh: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in model.items()}, "step": 0}
     for call in (lambda: reader.load(), lambda: reader.load(mmap=False), lambda: reader.load_into(fresh)):
         with pytest.raises(ChecksumsMissingError, match="DONE marker") as e:
             call()
@@ -130,18 +131,18 @@ def test_manager_refuses_a_step_file_that_lost_its_checksums(tmp_path: Path) -> 
         assert "checksum=False" in str(e.value)
         assert isinstance(e.value.__cause__, ChecksumsMissingError)
     assert all(not t.any() for t in fresh["model"].values())
-    assert_same(reader.load(10)["model"], state["model"])  # the other step is intact
+    assert_same(reader.load(10)["model"], model)  # the other step is intact
     # read unchecked, on request: a plain safetensors file now, whose keys are the tensors' names
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    flat = {f"model.{k}": v for k, v in model.items()}
     assert_same(reader.load(checksum=False), flat)
     assert_same(ckptstream.CheckpointManager(tmp_path / "ckpts", checksum=False).load(), flat)
 
 
 def test_manager_without_checksums_loads_its_files(tmp_path: Path) -> None:
-    state = {"model": flat_state(), "step": 3}
+    model = flat_state()
     with ckptstream.CheckpointManager(tmp_path / "ckpts", checksum=False) as ckpts:
-        ckpts.save(state, 3, blocking=True)
-        assert_same(ckpts.load()["model"], state["model"])
+        ckpts.save({"model": model, "step": 3}, 3, blocking=True)
+        assert_same(ckpts.load()["model"], model)
 
 
 def test_dcp_refuses_a_rank_file_that_lost_its_checksums(tmp_path: Path) -> None:
