@@ -55,6 +55,12 @@ def _check_leaf(value: Any, path: KeyPath) -> None:
             _too_long(value, key_str(path))
     elif isinstance(value, torch.Tensor):
         _check_leaf_tensor(path, value)
+    elif isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        what = "module" if isinstance(value, torch.nn.Module) else "optimizer"
+        raise UnsupportedTypeError(
+            f"{key_str(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}, a torch {what}: "
+            f"pass {what}.state_dict() instead, its tensors and values (e.g. {{'model': model.state_dict(), "
+            "'optim': optimizer.state_dict()}), which load_state_dict() takes back")
     else:
         raise UnsupportedTypeError(
             f"{key_str(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; a state may hold "
