@@ -54,7 +54,7 @@ def test_saving_a_module_says_pass_its_state_dict(tmp_path: Path, where: str, wh
 # --- torch.compile's _orig_mod. -------------------------------------------------------------
 
 
-def _compiled_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+def _compiled_pair() -> tuple[torch.nn.Module, Any]:  # torch.compile is typed as returning a callable
     model = _model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.compile's own, on some releases
