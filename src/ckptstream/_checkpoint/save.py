@@ -113,7 +113,8 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     """Save a training state to one safetensors file, atomically.
 
     Args:
-        state: nested dict / OrderedDict / list / tuple with tensors (any device and dtype),
+        state: nested dict / OrderedDict / list / tuple with tensors (any device, any dtype
+            that safetensors names: not complex128 or complex32, see docs/format.md),
             None, bool, int, float and str leaves (``model.state_dict()``,
             ``optimizer.state_dict()``, step, RNG states, ...). A flat ``{str: Tensor}`` keeps
             its keys as the tensor names, so safetensors readers see exactly those tensors.
