@@ -57,7 +57,7 @@ def test_complex64_round_trips_byte_for_byte(tmp_path: Path) -> None:
         for key, t in tensors.items():
             assert_same(back["model"][key], t, key)
         assert_same(back["optim"][0], tensors["matrix"] * 2, "optim")
-    into = {"model": {k: torch.zeros_like(v) for k, v in tensors.items()}, "optim": [torch.zeros(33, 17,
+    into: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in tensors.items()}, "optim": [torch.zeros(33, 17,
             dtype=torch.complex64)], "step": 0}  # fmt: skip
     ckptstream.load_into(into, path)
     with ckptstream.open(path) as reader:
