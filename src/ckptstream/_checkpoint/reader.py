@@ -208,11 +208,15 @@ class CheckpointReader:
         """Whether the file stores a CRC-32C of every tensor (and of its header)."""
         return self.header.crcs is not None
 
-    def keys(self) -> list[str]:
-        """The key path of every tensor, in the state's order (``"model.w"``, ``"optim.state.0.step"``)."""
-        return [e.key for e in self._entries.values()]
+    def keys(self) -> list[Key]:
+        """The key path of every tensor, once each, in the state's order (``"model.w"``,
+        ``"optim.state.0.step"``), each one that ``entry`` and ``read`` take: a path whose string
+        another path shares (``{"a.b": x, "a": {"b": y}}``; an int key and its str twin) as its
+        tuple of keys (``("a.b",)`` and ``("a", "b")``)."""
+        by_key = self._by_key
+        return [e.key if by_key[e.key] is not None else e.path for e in self._entries.values()]
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Key]:
         return iter(self.keys())
 
     def __len__(self) -> int:
