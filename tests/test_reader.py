@@ -359,7 +359,7 @@ def test_ambiguous_keys_need_tuple_paths(tmp_path: Path) -> None:
         # each path once, as what entry() takes: the shared strings as their tuples
         assert reader.keys() == [("a.b",), ("a", "b"), (1,), ("1",), "c"]
         assert list(reader) == reader.keys()
-        assert [reader.entry(k).path for k in reader.keys()] == [("a.b",), ("a", "b"), (1,), ("1",), ("c",)]
+        assert [reader.entry(k).path for k in reader] == [("a.b",), ("a", "b"), (1,), ("1",), ("c",)]
         for key in ("a.b", "1"):
             assert key not in reader
             with pytest.raises(KeyError, match=r"several tensors have the key path .* pass the path as a tuple"):
@@ -380,7 +380,7 @@ def test_the_same_tensor_under_keys_that_print_alike_is_listed_once_per_path(tmp
     with ckptstream.open(path) as reader:
         assert reader.keys() == [("a.b",), ("a", "b")]
         assert len(reader.keys()) == len(reader) == 2
-        for key in reader.keys():
+        for key in reader:
             assert_bytes_equal(reader.read(key), t)
 
 
