@@ -40,6 +40,7 @@ def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: fl
     except ImportError:
         grouped = False
     if grouped:
+        storage_for(directory).make_folders(directory)  # the ranks' locks and clean-up write there now
         found = GroupRanks(directory, timeout)
         if (rank, world_size) != (None, None) and (rank, world_size) != (found.rank, found.world_size):
             found.close()
@@ -52,6 +53,7 @@ def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: fl
         return Ranks(directory, timeout)
     if not isinstance(world_size, int) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+    storage_for(directory).make_folders(directory)
     return FileRanks(directory, timeout, rank, world_size)
 
 
@@ -63,9 +65,11 @@ class CheckpointManager:
     """Numbered checkpoints in ``directory``: background saves, complete-only listing, keep-K.
 
     Args:
-        directory: created if missing. Layout (docs/training.md): ``step-000000001200/`` per
-            step with this process's ``state.safetensors`` (or ``rank-00003-of-00008.safetensors``
-            per rank) and a ``DONE`` marker, published last, once every rank's file is durable.
+        directory: created by the first save if missing (a manager that only reads creates
+            nothing; with several ranks, making the manager creates it). Layout
+            (docs/training.md): ``step-000000001200/`` per step with this process's
+            ``state.safetensors`` (or ``rank-00003-of-00008.safetensors`` per rank) and a
+            ``DONE`` marker, published last, once every rank's file is durable.
         keep: how many complete checkpoints to keep (the newest); None keeps all. Older ones
             are deleted only once a newer one is complete and durable.
         mode: ``save_async``'s mode for every save ("device", "lazy", "host").
@@ -120,7 +124,6 @@ class CheckpointManager:
         self._given = check_settings(settings, "CheckpointManager")
         self._overrides = legacy_overrides("CheckpointManager", legacy, self._given)
         self._settings()  # bad settings raise now, not at the first save
-        self._storage.make_folders(self.directory)
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self._handles: list[SaveHandle] = []
@@ -190,6 +193,7 @@ class CheckpointManager:
         self._check_writer()
         if not _is_step(step) or not 0 <= step <= _directory.LARGEST_STEP:
             raise ValueError(f"step must be an integer in [0, {_directory.LARGEST_STEP}], got {step!r}")
+        self._storage.make_folders(self.directory)  # made by the first save: a reader changes nothing
         self._ranks.lock()
         latest = max((s for s in (self._last, self.latest_step()) if s is not None), default=None)
         if latest is not None and step <= latest:
