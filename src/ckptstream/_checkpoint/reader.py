@@ -132,15 +132,14 @@ class CheckpointReader:
             self._source.close()
             raise
 
-    def require_checksums(self, unchecked: str = "pass require_checksums=False") -> None:
-        """Raise ChecksumsMissingError unless the file stores its checksums; ``unchecked`` says
-        how the caller reads it without them."""
+    def require_checksums(self) -> None:
+        """Raise ChecksumsMissingError unless the file stores its checksums."""
         if self.header.crcs is None:
             raise ChecksumsMissingError(
                 f"{self.path}: holds no checksums (no {_header.CRC_KEY} in its header's __metadata__), and they are "
                 "required: it was saved without them (checksum=False, or by another writer), or a tool rewrote its "
-                f"header without ckptstream's metadata; restore it from a copy that has them, or {unchecked} to "
-                "read it unchecked")
+                "header without ckptstream's metadata; restore it from a copy that has them, or pass "
+                "require_checksums=False to read it unchecked")
 
     def _read_header(self) -> Header:
         size = self._source.size()
