@@ -505,6 +505,30 @@ def test_gpu_device_mode_holds_a_snapshot_only_while_saving(tmp_path: Path, gate
 
 
 @pytest.mark.gpu
+def test_gpu_snapshot_of_a_save_that_ran_out_of_space_is_freed(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error of a full disk says how much room the checkpoint needs, and the error kept for
+    result() holds no GPU snapshot (not even until the next garbage collection)."""
+    state = {"w": random_tensor((1024, 1024), device="cuda"), "b": random_tensor(4096, torch.bfloat16, "cuda")}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fail_writes(monkeypatch)
+    gc.disable()
+    try:
+        handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="device", settings=Settings(**SLOW))
+        assert handle.mode == "device"
+        while not handle.done():
+            time.sleep(0.01)
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        gc.enable()
+    with pytest.raises(OSError, match=r"No space left on device .* needs \d+ bytes") as e:
+        handle.result()
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.gpu
 def test_gpu_device_mode_without_the_memory_falls_back(tmp_path: Path) -> None:
     w = random_tensor(1 << 28, device="cuda")  # 1 GiB
     expected = w.cpu().clone()

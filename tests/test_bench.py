@@ -73,7 +73,7 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
     for row in data["rows"]:
         assert_positive(row["cold"])
         assert_positive(row["hot"])
-        assert len(row["hot"]["gbps_runs"]) == worker.HOT_RUNS  # --quick: one run, hot loads repeated
+        assert len(row["hot"]["gbps_runs"]) == options.QUICK_HOT_RUNS  # --quick: one run, hot loads repeated
         if row["label"] in ("ckptstream", "torch", "safetensors", "dcp"):
             assert_positive(row["save"])
             assert row["save_vs_ceiling"] > 0
@@ -104,7 +104,7 @@ def test_quick_run_prints_table_progress_and_plot(quick: tuple[Path, subprocess.
         assert column in header
     assert "ckptstream speedup" in proc.stdout
     assert "verifying checksums cost" in proc.stdout
-    assert "the runs spread" in proc.stdout or "within noise" in proc.stdout  # nine hot loads each
+    assert "the runs spread" in proc.stdout or "within noise" in proc.stdout  # several hot loads each
     assert "targets (" not in proc.stdout
     assert "MISSED" not in proc.stdout
     assert "[1/5] raw disk and copy ceilings" in proc.stderr
@@ -352,6 +352,21 @@ def test_staging_options_are_checked(capsys: pytest.CaptureFixture[str], tmp_pat
     args = cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), "--buffer-mib", "2", "--io-threads", "3"])
     assert options.resolve_options(args).staging == {"buffer_size": 2 * MiB, "io_threads": 3}
     assert options.resolve_options(cli.build_parser().parse_args(["bench", "--dir", str(tmp_path)])).staging == {}
+
+
+def test_quick_takes_few_hot_loads_and_says_what_a_run_costs(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    def resolved(*more: str) -> options.Options:
+        return options.resolve_options(cli.build_parser().parse_args(["bench", "--dir", str(tmp_path), *more]))
+
+    assert resolved("--quick").hot_runs == options.QUICK_HOT_RUNS < worker.HOT_RUNS
+    assert resolved("--quick", "--hot-runs", "5").hot_runs == 5
+    assert resolved().hot_runs is None  # the worker's HOT_RUNS
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{options.QUICK_HOT_RUNS} hot loads per variant" in said
+    assert "a run takes a minute or more on a busy 2-core machine" in said
 
 
 def _fig(seconds: float, rss: int = 0, staging: int = 0) -> dict[str, Any]:

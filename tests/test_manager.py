@@ -41,6 +41,24 @@ def poisoned(version: int) -> dict[str, Any]:
             "optim": {"state": {0: {"step": torch.tensor(float("nan"))}}}, "step": -1}
 
 
+def test_a_reader_of_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    directory = tmp_path / "runs" / "ckpts"
+    with ckptstream.CheckpointManager(directory) as ckpts:
+        assert ckpts.steps() == []
+        assert ckpts.latest_step() is None
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            ckpts.load()
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            ckpts.load_into(poisoned(1))
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            ckpts.path()
+    assert list(tmp_path.iterdir()) == []
+    with ckptstream.CheckpointManager(directory) as ckpts:  # the first save makes it
+        ckpts.save(state(1), 1, blocking=True)
+        assert ckpts.steps() == [1]
+    assert differences(ckptstream.CheckpointManager(directory).load(), state(1)) == []
+
+
 def entries(directory: Path) -> list[str]:
     """The entries of a folder, but a manager directory's lock files."""
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".lock-rank-"))

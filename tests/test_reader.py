@@ -352,11 +352,14 @@ def test_a_safetensors_file_opens_as_a_flat_dict(device: torch.device, tmp_path:
 
 def test_ambiguous_keys_need_tuple_paths(tmp_path: Path) -> None:
     dotted, nested, one, one_str = random_tensor(3), random_tensor(4), random_tensor(5), random_tensor(6)
-    state = {"a.b": dotted, "a": {"b": nested}, 1: one, "1": one_str}
+    state = {"a.b": dotted, "a": {"b": nested}, 1: one, "1": one_str, "c": random_tensor(2)}
     path = tmp_path / "ckpt.safetensors"
     ckptstream.save(state, path)
     with ckptstream.open(path) as reader:
-        assert reader.keys() == ["a.b", "a.b", "1", "1"]
+        # each path once, as what entry() takes: the shared strings as their tuples
+        assert reader.keys() == [("a.b",), ("a", "b"), (1,), ("1",), "c"]
+        assert list(reader) == reader.keys()
+        assert [reader.entry(k).path for k in reader] == [("a.b",), ("a", "b"), (1,), ("1",), ("c",)]
         for key in ("a.b", "1"):
             assert key not in reader
             with pytest.raises(KeyError, match=r"several tensors have the key path .* pass the path as a tuple"):
@@ -368,6 +371,17 @@ def test_ambiguous_keys_need_tuple_paths(tmp_path: Path) -> None:
             assert reader.entry(path_).path == path_
             assert_bytes_equal(reader.read(path_), t)
             assert_bytes_equal(reader.get_slice(path_)[1:], t[1:])
+
+
+def test_the_same_tensor_under_keys_that_print_alike_is_listed_once_per_path(tmp_path: Path) -> None:
+    t = random_tensor((3, 5))
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save({"a.b": t, "a": {"b": t}}, path)
+    with ckptstream.open(path) as reader:
+        assert reader.keys() == [("a.b",), ("a", "b")]
+        assert len(reader.keys()) == len(reader) == 2
+        for key in reader:
+            assert_bytes_equal(reader.read(key), t)
 
 
 # --- the descriptor ---------------------------------------------------------------------------------

@@ -34,6 +34,12 @@ class NotACheckpointError(CorruptCheckpointError):
         self.path, self.kind = path, kind
 
 
+class ChecksumsMissingError(CorruptCheckpointError):
+    """Checksums were required (``require_checksums=True``; a step of a CheckpointManager, a
+    rank file of ``ckptstream.dcp`` whose metadata records them) but the file holds none: it was
+    written without them, or its header was rewritten without ckptstream's ``__metadata__``."""
+
+
 class StateMismatchError(CkptStreamError, ValueError):
     """The state given to load_into does not match the checkpoint (keys, shapes, dtypes)."""
 

@@ -96,9 +96,11 @@ def test_full_file_system_enospc(full_fs: Path, tmp_path: Path) -> None:
     before = path.read_bytes()
     ckptstream.load(path)  # first use of everything, before counting descriptors
     fds = fd_count()
+    errors = []
     for _ in range(3):  # again and again: nothing accumulates
         with pytest.raises(OSError, match="No space left on device") as info:
             ckptstream.save(big, path, settings=ckptstream.Settings(buffer_size=256 * KiB))
+        errors.append(str(info.value))
         assert info.value.errno == errno.ENOSPC, info.value
         assert_names_the_file(info.value, path)
         assert path.read_bytes() == before
@@ -111,3 +113,6 @@ def test_full_file_system_enospc(full_fs: Path, tmp_path: Path) -> None:
     assert_same_state(ckptstream.load(full_fs / "other.safetensors"), old)
     ckptstream.save(big, tmp_path / "big.safetensors")
     assert_same_state(ckptstream.load(tmp_path / "big.safetensors"), big)
+    # the error said how much room the checkpoint needs: the size of the file it makes elsewhere
+    needs = f"the checkpoint {path} needs {(tmp_path / 'big.safetensors').stat().st_size} bytes"
+    assert all(needs in error for error in errors), errors

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
+def open(path: str | os.PathLike[str], *, require_checksums: bool = False, settings: Settings | None = None,
          **legacy: Unpack[LegacyKeywords]) -> CheckpointReader:
     """Open a checkpoint (ckptstream's or any safetensors file) for lazy, typed reads.
 
@@ -30,6 +30,7 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
 
     Args:
         path: the checkpoint file.
+        require_checksums: refuse a file that stores no checksums (see ``load``).
         settings: the ``Settings`` of this reader's reads (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
             ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
@@ -44,6 +45,7 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
     Raises:
         CorruptCheckpointError: the header or structure is malformed (named); a
             ``NotACheckpointError`` for a file of another format (torch.save, DCP ``.metadata``).
+        ChecksumsMissingError: ``require_checksums`` and the file stores no checksums.
         OSError: the file cannot be opened.
 
     Example:
@@ -52,7 +54,7 @@ def open(path: str | os.PathLike[str], *, settings: Settings | None = None,
         ...     wte = ckpt.read("model.wte.weight", device="cuda")
         ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
     """
-    return CheckpointReader(path, per_call("open", settings, legacy))
+    return CheckpointReader(path, per_call("open", settings, legacy), require_checksums=require_checksums)
 
 
 def once_more_if_replaced(read: Callable[[], T]) -> T:
@@ -82,14 +84,16 @@ def checksum_argument(checksum: bool, verify: bool | None, where: str) -> bool:
 
 
 def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-         mmap: bool | None = None, verify: bool | None = None, settings: Settings | None = None,
-         **legacy: Unpack[LegacyKeywords]) -> Any:
+         mmap: bool | None = None, require_checksums: bool = False, verify: bool | None = None,
+         settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
     """Load a state saved by ``save`` (or any safetensors file, as a flat dict).
 
     Args:
         path: the checkpoint file.
         device: where every tensor lands ("cpu", "cuda", "cuda:1", a torch.device).
-        checksum: compare every tensor with its stored CRC-32C (``verify`` in 0.1.0).
+        checksum: compare every tensor with its stored CRC-32C (``verify`` in 0.1.0). A file
+            without checksums (any safetensors file, or one whose ``__metadata__`` a tool
+            dropped) loads unchecked, unless ``require_checksums``.
         progress: show a progress bar on stderr.
         mmap: whether CPU tensors are backed by a private, copy-on-write mapping of the file
             instead of new memory. None (the default): mapped where ``device`` is "cpu" and
@@ -104,6 +108,8 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
             Writes to the tensors stay private to this process and never reach the file.
             Tensors whose file offset is not a multiple of their element size (possible in
             files of other writers) are copied instead. No file descriptor stays open.
+        require_checksums: refuse, before reading any data, a file that stores no checksums
+            (see docs/reliability.md, "Requiring checksums").
         settings: the ``Settings`` of this call (a complete value); None: those in force. The
             per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords
             are deprecated in its favour.
@@ -115,6 +121,7 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
     Raises:
         CorruptCheckpointError: the file is malformed, truncated or fails a checksum (named); a
             ``NotACheckpointError`` for a file of another format (torch.save, DCP ``.metadata``).
+        ChecksumsMissingError: ``require_checksums`` and the file stores no checksums.
         ValueError: ``mmap=True`` with a device other than "cpu".
 
     Example:
@@ -131,29 +138,32 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
     gpu = as_device(device) if checksum and not mmap else None
 
     def read() -> Any:
-        with CheckpointReader(path, cfg) as reader:
+        with CheckpointReader(path, cfg, require_checksums=require_checksums) as reader:
             return reader.load(device=device, checksum=checksum, progress=progress, mmap=mmap)
 
     with _gc.paused(), gpucrc.built_meanwhile(gpu):
         return once_more_if_replaced(read)
 
 
-def verify(path: str | os.PathLike[str], *, progress: bool = False, settings: Settings | None = None,
-           **legacy: Unpack[LegacyKeywords]) -> None:
+def verify(path: str | os.PathLike[str], *, progress: bool = False, require_checksums: bool = False,
+           settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> None:
     """Check a checkpoint without loading it: header, structure, length, and every checksum.
 
     Args:
         path: the checkpoint file.
         progress: show a progress bar on stderr.
+        require_checksums: refuse a file that stores no checksums (otherwise such a file is
+            checked for its header, structure and length only).
         settings: the ``Settings`` of the reads (a complete value); None: those in force.
 
     Raises:
         CorruptCheckpointError: naming what is wrong (and which tensor, for a checksum).
+        ChecksumsMissingError: ``require_checksums`` and the file stores no checksums.
     """
     cfg = per_call("verify", settings, legacy)
 
     def read() -> None:
-        with CheckpointReader(path, cfg) as reader:
+        with CheckpointReader(path, cfg, require_checksums=require_checksums) as reader:
             reader.verify(progress=progress)
 
     once_more_if_replaced(read)

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import operator
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,7 @@ def _match(path: str, entries: Entries, targets: dict[KeyPath, torch.Tensor], fo
     missing = [key_str(p) for p in found.missing if p not in tied]
     in_both = len(targets) - len(found.missing)
     unexpected = [key_str(p) for p in entries if p not in targets] if in_both < len(entries) else []
+    compiled = _compile_prefix(missing, unexpected)
     wrong = [f"{key_str(p)}: the file has {entries[p].dtype} {list(entries[p].shape)}, the state "
              f"{targets[p].dtype} {list(targets[p].shape)}" for p in found.wrong]
     problems = [f"shape/dtype mismatch: {w}" for w in wrong]
@@ -127,14 +129,38 @@ def _match(path: str, entries: Entries, targets: dict[KeyPath, torch.Tensor], fo
         problems += [f"in the file but not in the state: {u}" for u in unexpected]
     if problems:
         hint = "" if not strict or wrong else " (strict=False loads the keys both sides have)"
+        hint = f": {compiled}" if compiled and not wrong else hint
         raise StateMismatchError(f"{path} does not match the state{hint}:\n  " + "\n  ".join(problems))
     if missing or unexpected:
         warnings.warn(
             StateMismatchWarning(f"load_into({path!r}, strict=False) skipped {len(missing)} missing key(s) "
-                                 f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}",
-                                 missing, unexpected),
-            stacklevel=3,
+                                 f"{missing[:5]} and {len(unexpected)} unexpected key(s) {unexpected[:5]}"
+                                 + (f": {compiled}" if compiled else ""), missing, unexpected),
+            stacklevel=5,  # _match, read, once_more_if_replaced, load_into, the caller
         )
+
+
+# torch.compile's module holds the original as ``_orig_mod``: its state_dict()'s keys start so
+_COMPILED = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
+
+
+def _compile_prefix(missing: list[str], unexpected: list[str]) -> str:
+    """What to say where every key on one side differs from one on the other by torch.compile's
+    ``_orig_mod.`` alone (a compiled model's state_dict() has it, the original's does not)."""
+    if not missing or len(missing) != len(unexpected):
+        return ""
+    in_file = [bool(_COMPILED.search(k)) for k in unexpected]
+    in_state = [bool(_COMPILED.search(k)) for k in missing]
+    if not ((all(in_file) and not any(in_state)) or (all(in_state) and not any(in_file))):
+        return ""
+    if {_COMPILED.sub("", k) for k in missing} != {_COMPILED.sub("", k) for k in unexpected}:
+        return ""
+    if all(in_file):
+        return ("the keys differ by torch.compile's '_orig_mod.' alone, which the file's have: it was saved from a "
+                "compiled model; load into the compiled model's state_dict() (torch.compile(model).state_dict() "
+                "holds the same tensors under those keys)")
+    return ("the keys differ by torch.compile's '_orig_mod.' alone, which the state's have: it is a compiled "
+            "model's; load into compiled._orig_mod.state_dict() (the same tensors, keyed as in the file)")
 
 
 def _check_destinations(path: str, entries: Entries, targets: dict[KeyPath, torch.Tensor], found: _Survey) -> None:
@@ -272,8 +298,8 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
 
 
 def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
-              checksum: bool = True, progress: bool = False, verify: bool | None = None,
-              settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
+              checksum: bool = True, progress: bool = False, require_checksums: bool = False,
+              verify: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
 
     Args:
@@ -297,6 +323,8 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             0.1.0; a mismatch raises CorruptCheckpointError, see docs/reliability.md for what
             the targets then hold).
         progress: show a progress bar on stderr.
+        require_checksums: refuse, before a byte is written, a file that stores no checksums
+            (a file without them otherwise loads unchecked; see docs/reliability.md).
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
             ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
@@ -321,7 +349,7 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
         gpu = next((t.device for t in given.values() if t.is_cuda), None) if checksum else None
 
         def read() -> Any:  # the whole of it again where the object is replaced meanwhile
-            with CheckpointReader(path, cfg) as reader:
+            with CheckpointReader(path, cfg, require_checksums=require_checksums) as reader:
                 entries = {e.path: e for e in reader.entries()}
                 created, blobs = _created(reader, state, given, device)
                 targets = {**given, **created}

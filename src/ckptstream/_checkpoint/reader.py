@@ -24,7 +24,7 @@ import torch
 
 from .. import _gc
 from .._engine import BYTE_COPIED, PLAIN_TENSORS, Piece, ReadEngine, check_tensor, empty_tensor
-from .._errors import CorruptCheckpointError, NotACheckpointError, StateMismatchError
+from .._errors import ChecksumsMissingError, CorruptCheckpointError, NotACheckpointError, StateMismatchError
 from .._format import header as _header
 from .._format import sniff
 from .._format.header import Header
@@ -119,17 +119,28 @@ def target_device(device: Device) -> torch.device:
 class CheckpointReader:
     """An open checkpoint (ours or any safetensors file); see ``ckptstream.open``."""
 
-    def __init__(self, path: str | os.PathLike[str], cfg: Settings) -> None:
+    def __init__(self, path: str | os.PathLike[str], cfg: Settings, *, require_checksums: bool = False) -> None:
         self.path, self._cfg = os.fsdecode(path), cfg
         self._source: Source = storage_for(self.path).open(self.path)  # a FIFO is refused, not waited on
         try:
             with _gc.paused():
                 self.header = self._read_header()
+                if require_checksums:
+                    self.require_checksums()
                 table = {t.name: t.nbytes for t in self.header.tensors}
                 self._structure = parse_structure(self.header.structure, table, self.path)
         except BaseException:
             self._source.close()
             raise
+
+    def require_checksums(self) -> None:
+        """Raise ChecksumsMissingError unless the file stores its checksums."""
+        if self.header.crcs is None:
+            raise ChecksumsMissingError(
+                f"{self.path}: holds no checksums (no {_header.CRC_KEY} in its header's __metadata__), and they are "
+                "required: it was saved without them (checksum=False, or by another writer), or a tool rewrote its "
+                "header without ckptstream's metadata; restore it from a copy that has them, or pass "
+                "require_checksums=False to read it unchecked")
 
     def _read_header(self) -> Header:
         size = self._source.size()
@@ -203,11 +214,15 @@ class CheckpointReader:
         """Whether the file stores a CRC-32C of every tensor (and of its header)."""
         return self.header.crcs is not None
 
-    def keys(self) -> list[str]:
-        """The key path of every tensor, in the state's order (``"model.w"``, ``"optim.state.0.step"``)."""
-        return [e.key for e in self._entries.values()]
+    def keys(self) -> list[Key]:
+        """The key path of every tensor, once each, in the state's order (``"model.w"``,
+        ``"optim.state.0.step"``), each one that ``entry`` and ``read`` take: a path whose string
+        another path shares (``{"a.b": x, "a": {"b": y}}``; an int key and its str twin) as its
+        tuple of keys (``("a.b",)`` and ``("a", "b")``)."""
+        by_key = self._by_key
+        return [e.key if by_key[e.key] is not None else e.path for e in self._entries.values()]
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Key]:
         return iter(self.keys())
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ file: fsync, rename over the target, fsync the directory).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -71,6 +72,19 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
     checksums and the publication): a background save lets its caller change the tensors from
     then on."""
     name = os.fsdecode(path)
+    try:
+        return _write(plan, name, cfg, progress, stream, after, staged)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        size = len(plan.header) + (plan.infos[-1].end if plan.infos else 0)
+        raise OSError(e.errno, f"{e.strerror}; the checkpoint {name} needs {size} bytes ({size / 2**20:.1f} MiB) "
+                      "on its file system (where it replaces a file, beside that file until it is published): free "
+                      "that much space there, or save elsewhere", e.filename) from e
+
+
+def _write(plan: CheckpointPlan, name: str, cfg: Settings, progress: bool, stream: torch.cuda.Stream | None,
+           after: Mark | None, staged: Callable[[], None] | None) -> list[int]:
     with interrupts_deferred(), storage_for(name).create(name) as sink:
         sink.write_at(memoryview(plan.header), 0)
         raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
@@ -99,7 +113,8 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
     """Save a training state to one safetensors file, atomically.
 
     Args:
-        state: nested dict / OrderedDict / list / tuple with tensors (any device and dtype),
+        state: nested dict / OrderedDict / list / tuple with tensors (any device, any dtype
+            that safetensors names: not complex128 or complex32, see docs/format.md),
             None, bool, int, float and str leaves (``model.state_dict()``,
             ``optimizer.state_dict()``, step, RNG states, ...). A flat ``{str: Tensor}`` keeps
             its keys as the tensor names, so safetensors readers see exactly those tensors.

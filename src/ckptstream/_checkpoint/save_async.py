@@ -334,7 +334,7 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         write_checkpoint(plan, handle.path, cfg, progress=progress, after=captured.after, staged=staged)
     except BaseException as e:
         error = e
-        traceback.clear_frames(e.__traceback__)  # a kept error must not keep the snapshot alive
+        _clear_frames(e)  # a kept error must not keep the snapshot alive
     finally:
         if captured is not None and captured.copies is not None:
             captured.copies.finish()  # nothing reads the state any more: the guard lets go
@@ -456,3 +456,13 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
     cfg = per_call("save_async", settings, legacy)
     return begin(state, path, mode=mode, metadata=metadata, checksum=checksum, progress=progress,
                  max_in_flight=max_in_flight, cfg=cfg)
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Drop the locals of every frame in the tracebacks of ``error`` and of the errors it was
+    raised from (an error that adds to another's message holds the frames below it there)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__

@@ -16,7 +16,7 @@ import torch
 
 from .._engine import PLAIN_TENSORS, streamable
 from .._errors import UnsupportedTypeError
-from .header import DTYPE_NAMES
+from .header import DTYPE_NAMES, unnamed_hint
 from .structure import INT_BITS, MAX_DEPTH, KeyPath, key_str, view_limit
 
 _CONTAINERS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", list: "list", tuple: "tuple"}
@@ -55,6 +55,12 @@ def _check_leaf(value: Any, path: KeyPath) -> None:
             _too_long(value, key_str(path))
     elif isinstance(value, torch.Tensor):
         _check_leaf_tensor(path, value)
+    elif isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        what = "module" if isinstance(value, torch.nn.Module) else "optimizer"
+        raise UnsupportedTypeError(
+            f"{key_str(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}, a torch {what}: "
+            f"pass {what}.state_dict() instead, its tensors and values (e.g. {{'model': model.state_dict(), "
+            "'optim': optimizer.state_dict()}), which load_state_dict() takes back")
     else:
         raise UnsupportedTypeError(
             f"{key_str(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; a state may hold "
@@ -120,7 +126,7 @@ def _check_leaf_tensor(path: KeyPath, t: torch.Tensor) -> None:
         raise UnsupportedTypeError(f"{where}: a {t.layout} tensor on {t.device} cannot be stored; only dense "
                                    "(strided) CPU and CUDA tensors (for a sparse one: t.to_dense())")  # fmt: skip
     if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedTypeError(f"{where}: dtype {t.dtype} has no safetensors name; "
+        raise UnsupportedTypeError(f"{where}: dtype {t.dtype} has no safetensors name{unnamed_hint(t.dtype)}; "
                                    f"supported: {sorted(str(d) for d in DTYPE_NAMES)}")  # fmt: skip
     if t.dim() == 0 and DTYPE_NAMES[t.dtype] == "F4":
         raise UnsupportedTypeError(f"{where}: a 0-d {t.dtype} tensor has no safetensors shape; store t.reshape(1)")

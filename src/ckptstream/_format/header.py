@@ -69,6 +69,14 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _DTYPE_RANK: dict[torch.dtype, int] = {v: i for i, v in enumerate(DTYPE_NAMES)}
 
 
+def unnamed_hint(dtype: torch.dtype) -> str:
+    """How to store a tensor of a dtype that safetensors has no name for, where there is a way."""
+    if dtype.is_complex:  # complex64 has one (C64); complex128 and complex32 are pairs of named floats
+        return (f": store torch.view_as_real(t) (its {dtype.to_real()} real and imaginary parts) and "
+                "torch.view_as_complex() it after loading")
+    return ""
+
+
 class TensorInfo(NamedTuple):
     """One entry of the tensor table; ``begin``/``end`` are relative to the data section."""
 

@@ -10,13 +10,14 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
-from .._errors import StateMismatchError
+from .._errors import ChecksumsMissingError, StateMismatchError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
@@ -40,6 +41,7 @@ def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: fl
     except ImportError:
         grouped = False
     if grouped:
+        storage_for(directory).make_folders(directory)  # the ranks' locks and clean-up write there now
         found = GroupRanks(directory, timeout)
         if (rank, world_size) != (None, None) and (rank, world_size) != (found.rank, found.world_size):
             found.close()
@@ -52,6 +54,7 @@ def _ranks(directory: str, rank: int | None, world_size: int | None, timeout: fl
         return Ranks(directory, timeout)
     if not isinstance(world_size, int) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+    storage_for(directory).make_folders(directory)
     return FileRanks(directory, timeout, rank, world_size)
 
 
@@ -63,9 +66,11 @@ class CheckpointManager:
     """Numbered checkpoints in ``directory``: background saves, complete-only listing, keep-K.
 
     Args:
-        directory: created if missing. Layout (docs/training.md): ``step-000000001200/`` per
-            step with this process's ``state.safetensors`` (or ``rank-00003-of-00008.safetensors``
-            per rank) and a ``DONE`` marker, published last, once every rank's file is durable.
+        directory: created by the first save if missing (a manager that only reads creates
+            nothing; with several ranks, making the manager creates it). Layout
+            (docs/training.md): ``step-000000001200/`` per step with this process's
+            ``state.safetensors`` (or ``rank-00003-of-00008.safetensors`` per rank) and a
+            ``DONE`` marker, published last, once every rank's file is durable.
         keep: how many complete checkpoints to keep (the newest); None keeps all. Older ones
             are deleted only once a newer one is complete and durable.
         mode: ``save_async``'s mode for every save ("device", "lazy", "host").
@@ -122,7 +127,6 @@ class CheckpointManager:
         self._given = check_settings(settings, "CheckpointManager")
         self._overrides = legacy_overrides("CheckpointManager", legacy, self._given)
         self._settings()  # bad settings raise now, not at the first save
-        self._storage.make_folders(self.directory)
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self._handles: list[SaveHandle] = []
@@ -192,6 +196,7 @@ class CheckpointManager:
         self._check_writer()
         if not _is_step(step) or not 0 <= step <= _directory.LARGEST_STEP:
             raise ValueError(f"step must be an integer in [0, {_directory.LARGEST_STEP}], got {step!r}")
+        self._storage.make_folders(self.directory)  # made by the first save: a reader changes nothing
         self._ranks.lock()
         self._ranks.check_lock()  # an object store's: another manager may have taken over the rank
         latest = max((s for s in (self._last, self.latest_step()) if s is not None), default=None)
@@ -313,9 +318,13 @@ class CheckpointManager:
     def load(self, step: int | None = None, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
              mmap: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
         """``ckptstream.load`` of this process's file of checkpoint ``step`` (default: the newest);
-        ``settings`` (default: the manager's) as for ``ckptstream.load``."""
+        ``settings`` (default: the manager's) as for ``ckptstream.load``. With ``checksum`` (and
+        the manager's), a file that stores no checksums is refused (ChecksumsMissingError)."""
         cfg = self._settings(settings, legacy, "CheckpointManager.load")
-        return load_file(self.path(step), device=device, checksum=checksum, progress=progress, mmap=mmap, settings=cfg)
+        path = self.path(step)
+        with self._own_file(path):
+            return load_file(path, device=device, checksum=checksum, progress=progress, mmap=mmap,
+                             require_checksums=checksum and self.checksum, settings=cfg)
 
     def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Any = "auto",
                   checksum: bool = True, progress: bool = False, settings: Settings | None = None,
@@ -324,10 +333,24 @@ class CheckpointManager:
         newest). A freshly built optimizer works: its moments, which its ``state_dict()`` lacks,
         are created on ``device`` (see ``load_into``); pass the result's part to
         ``optimizer.load_state_dict``. ``settings`` (default: the manager's) as for
-        ``ckptstream.load_into``."""
+        ``ckptstream.load_into``; a file without checksums is refused as by ``load``."""
         cfg = self._settings(settings, legacy, "CheckpointManager.load_into")
-        return load_into_file(state, self.path(step), strict=strict, device=device, checksum=checksum,
-                              progress=progress, settings=cfg)
+        path = self.path(step)
+        with self._own_file(path):
+            return load_into_file(state, path, strict=strict, device=device, checksum=checksum, progress=progress,
+                                  require_checksums=checksum and self.checksum, settings=cfg)
+
+    @contextlib.contextmanager
+    def _own_file(self, path: str) -> Iterator[None]:
+        """Say why a step's file must hold checksums: the manager wrote it, with them."""
+        try:
+            yield
+        except ChecksumsMissingError as e:
+            raise ChecksumsMissingError(
+                f"{path}: holds no checksums, though its step is complete (its DONE marker counts the file the "
+                "manager wrote) and this manager stores them (checksum=True): a tool rewrote its header without "
+                "ckptstream's __metadata__, or a manager with checksum=False saved it; restore the step from a copy, "
+                "or load it with checksum=False to read it unchecked") from e
 
     def _settings(self, settings: object = None, legacy: LegacyKeywords | None = None, where: str = "") -> Settings:
         """The settings of one transfer: the call's, else the manager's, else those in force

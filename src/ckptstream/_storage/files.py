@@ -126,6 +126,10 @@ class AtomicSink(FileSink):
                 try:
                     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
                 except OSError as e:
+                    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # of the folder: the temp is new
+                        raise OSError(e.errno, f"{e.strerror}: the folder {self._directory} is not writable, so "
+                                      "the file cannot be created there; save into a writable folder (or make this "
+                                      "one writable)", target) from e
                     raise fileio.os_error(e, "creating the temp file", temp) from e
                 super().__init__(fd, temp, owned=True, name=target)
             except BaseException:

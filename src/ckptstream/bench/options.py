@@ -18,6 +18,7 @@ from .systems import DEFAULT, DEFAULT_RANKS, SYSTEMS
 
 DEFAULT_SIZE_GIB = 0.25  # small enough for `make demo` on a laptop without a GPU
 QUICK_SIZE_GIB = 1 / 128
+QUICK_HOT_RUNS = 3  # hot loads per variant with --quick: a smoke test's figures, not a median to quote
 LARGE = 2 * GiB  # from here on one run per figure by default: a large state's runs take minutes each
 SWEEP_SIZE_GIB = 1.0
 
@@ -65,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only these load variants of the systems run, by their row label (e.g. ckptstream; default: all)")
     add("--json", metavar="FILE", help="write every figure and the machine's description as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: pip install 'ckptstream[bench]')")
-    add("--quick", action="store_true", help="tiny state, one run, one thread count: seconds, for CI")
+    add("--quick", action="store_true",
+        help=f"tiny state, one run, one thread count, {QUICK_HOT_RUNS} hot loads per variant, for CI: the loads take "
+             "seconds, but each system runs in a process of its own that imports torch (DCP: and its own modules), "
+             "so a run takes a minute or more on a busy 2-core machine")
     add("--ranks", "--nproc-per-node", type=int, default=1, metavar="N",
         help="N processes saving and loading at once, one GPU each (gloo on the CPU)")
     add("--cold", choices=[c.value for c in Cold], default="auto",
@@ -75,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
     add("--seed", type=int, default=0, help="seed of the random state")
     add("--hot-runs", type=_positive, metavar="N",
-        help="hot loads per load variant, the median reported (default 9; spread over the --repeat runs)")
+        help=f"hot loads per load variant, the median reported (default 9, --quick {QUICK_HOT_RUNS}; spread over the "
+             "--repeat runs)")
     staging = parser.add_argument_group(
         "ckptstream's settings in this run (default: the library's, or CKPTSTREAM_* variables)")
     staging.add_argument("--buffer-mib", type=_positive, metavar="M", help="MiB per staging buffer (buffer_size)")
@@ -243,5 +248,6 @@ def resolve_options(args: argparse.Namespace) -> Options:
     return Options(device, spec, repeat, args.dir if url else os.path.abspath(args.dir), systems, args.json,
                    args.plot, args.quick, args.ranks, Cold(args.cold), tuple(threads), tuple(hot), args.sweep, axes,
                    _staging(args), args.training, tuple(args.training_systems) if args.training_systems else None,
-                   args.training_steps, args.hot_runs, _variants(args.variants, systems),
+                   args.training_steps, args.hot_runs or (QUICK_HOT_RUNS if args.quick else None),
+                   _variants(args.variants, systems),
                    getattr(args, "export", False))

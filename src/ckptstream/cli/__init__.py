@@ -73,9 +73,9 @@ def inspect_report(path: str) -> dict[str, Any]:
 # --- verify ---------------------------------------------------------------------------------
 
 
-def _verify_file(path: str) -> Verdict:
+def _verify_file(path: str, require_checksums: bool = False) -> Verdict:
     def check() -> str:
-        with ckptstream.open(path) as reader:
+        with ckptstream.open(path, require_checksums=require_checksums) as reader:
             reader.verify()
             return (f"{len(reader)} tensors, checksums verified" if reader.checksummed
                     else "structure only: the file has no checksums")
@@ -128,28 +128,28 @@ def _what_is(path: str, step: int | None) -> tuple[str | None, Verdict | None]:
     return "file", None
 
 
-def _check_files(folder: str) -> list[Verdict]:
+def _check_files(folder: str, require_checksums: bool) -> list[Verdict]:
     """A folder of checkpoint files: its Hugging Face index against its shards (where it has
     one), then every file on its own."""
     storage = storage_for(folder)
     entries = storage.list_folder(folder)
     names = _folders.checkpoint_files(entries)
     index = [_folders.check_index(folder, names)] if any(e.name == _folders.INDEX for e in entries) else []
-    return index + [_verify_file(storage.join(folder, name)) for name in names]
+    return index + [_verify_file(storage.join(folder, name), require_checksums) for name in names]
 
 
-def verify(path: str, step: int | None = None) -> list[Verdict]:
-    """The verdict on each checkpoint at ``path``."""
+def verify(path: str, step: int | None = None, require_checksums: bool = False) -> list[Verdict]:
+    """The verdict on each checkpoint at ``path`` (``require_checksums``: a file without them fails)."""
     kind, refused = _what_is(path, step)
     if refused is not None:
         return [refused]
     if kind == "file":
-        return [_verify_file(path)]
+        return [_verify_file(path, require_checksums)]
     try:
         if kind == MANAGER:
             return _dirs.check_manager(path, step)
         if kind == FILES:
-            return _check_files(path)
+            return _check_files(path, require_checksums)
         return [_dirs.check_step(ckptstream.check_step(path)) if kind == STEP else _dirs.check_dcp(path)]
     except OSError as e:  # a folder that cannot be listed or read
         return [Verdict(f"{path}: {e}", 2)]
@@ -228,6 +228,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            "folders of checkpoint files: a Hugging Face export's index against its shards)")
     check.add_argument("paths", nargs="+", metavar="path")
     check.add_argument("--step", type=int, help="of a CheckpointManager directory: only this step")
+    check.add_argument("--require-checksums", action="store_true",
+                       help="a checkpoint file that stores no checksums fails (exit status 1) instead of being "
+                            "checked for its structure only")
     from . import _export as export
 
     export.add_arguments(sub.add_parser("export-hf", help=export.HELP, description=export.HELP))
@@ -251,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         status = 0
         for path in args.paths:
-            for verdict in verify(path, args.step):
+            for verdict in verify(path, args.step, args.require_checksums):
                 if verdict.status == 0:
                     print(printable(verdict.line))
                 else:

@@ -65,7 +65,7 @@ def check_items(items: Sequence[WriteItem]) -> None:
             if dtype not in _header.DTYPE_NAMES:
                 raise UnsupportedTypeError(
                     f"{item.index.fqn}: dtype {dtype} has no safetensors name, so ckptstream.dcp.StreamWriter cannot "
-                    f"store it; supported: {sorted(str(d) for d in _header.DTYPE_NAMES)}")
+                    f"store it{_header.unnamed_hint(dtype)}; supported: {sorted(str(d) for d in _header.DTYPE_NAMES)}")
 
 
 def chunk_keys(items: Sequence[WriteItem]) -> list[str]:

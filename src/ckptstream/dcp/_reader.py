@@ -13,6 +13,7 @@ are read with ``_pickles.plain_value`` first, and the planner gets bytes made fr
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import warnings
@@ -27,7 +28,7 @@ from torch.futures import Future
 
 from .._checkpoint.reader import CheckpointReader, TensorEntry
 from .._engine.tensor_bytes import host_bytes
-from .._errors import CorruptCheckpointError
+from .._errors import ChecksumsMissingError, CorruptCheckpointError
 from .._settings import LegacyKeywords, Settings, per_call
 from . import _metadata, _pickles
 from ._metadata import StoredChunk
@@ -66,6 +67,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             non-tensor value holds what such pickles never hold, naming the file and the class;
             a chunk is stored under a name that is not a file of the checkpoint's directory; the
             metadata is not a regular file.
+        ChecksumsMissingError: with ``checksum``, a rank file holds no checksums though the
+            metadata records them (its header was rewritten without ckptstream's metadata).
         FileNotFoundError: no ``.metadata`` (a save that did not finish), or a missing rank file.
             From torch 2.9 DCP raises an AssertionError instead when the metadata fails, with
             the reader's message from 2.12; on 2.9-2.11 the reader warns (RuntimeWarning) with it.
@@ -140,7 +143,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             landing: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []  # (item, read into, destination)
             for item in items:
                 chunk = self.storage_data[item.storage_index]
-                entry = _entry(reader, chunk, path, item.storage_index.fqn)
+                entry = _entry(reader, chunk, path, item.storage_index.fqn, self.checksum)
                 if item.type == LoadItemType.BYTE_IO:
                     dst = torch.empty(entry.shape, dtype=torch.uint8)
                     requests.append(((chunk.key,), [0], None, dst))
@@ -169,13 +172,22 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
         return _pickles.plain_value(raw, path, item.storage_index.fqn)
 
 
-def _entry(reader: CheckpointReader, chunk: StoredChunk, path: str, fqn: str) -> TensorEntry:
+def _entry(reader: CheckpointReader, chunk: StoredChunk, path: str, fqn: str, checksum: bool) -> TensorEntry:
     """The file's entry of a chunk, checked against what the checkpoint's metadata recorded:
-    a file that does not match was written by another save."""
+    a file that does not match was written by another save; one that lost the checksums its
+    save recorded is refused with ``checksum``."""
     try:
         entry = reader.entry((chunk.key,))
     except KeyError:
         entry = None
+    if entry is not None and chunk.crc is not None and entry.checksum is None:
+        if checksum:
+            raise ChecksumsMissingError(
+                f"{path}: holds no checksums, though the checkpoint's .metadata records a CRC-32C of tensor {fqn!r} "
+                "(its save stored them): a tool rewrote the rank file's header without ckptstream's __metadata__; "
+                "restore the checkpoint's directory from a copy, or load with StreamReader(checksum=False) to read it "
+                "unchecked")
+        chunk = dataclasses.replace(chunk, crc=None)  # the bytes' place is all there is to compare
     if (entry is not None and (entry.offset, entry.end - entry.offset) == (chunk.offset, chunk.length)
             and chunk.crc in (None, entry.checksum)):
         return entry
