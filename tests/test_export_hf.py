@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,57 @@ def test_a_new_export_replaces_only_the_weights_of_the_earlier(tmp_path: Path, g
     tiny_config().save_pretrained(out)
     check_folder(out)
     assert_reloads(out, gpt2)
+
+
+def _flat_state_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A model's flat state of 4 tensors of 4000 bytes each (two shards under "8KB")."""
+    g = torch.Generator().manual_seed(21)
+    state = {f"layer.{i}.weight": torch.randn(1000, generator=g) for i in range(4)}
+    ckptstream.save(state, tmp_path / "flat.safetensors")
+    return tmp_path / "flat.safetensors", state
+
+
+OUTPUTS = ["config.json", "model.safetensors", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+           "model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+@pytest.mark.parametrize("name", OUTPUTS)
+def test_a_link_under_a_name_the_export_writes_is_refused(tmp_path: Path, name: str, dangling: bool) -> None:
+    src, _ = _flat_state_file(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    outside = tmp_path / "outside"
+    if not dangling:
+        outside.write_bytes(os.urandom(1000))
+    before = outside.read_bytes() if not dangling else None
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    with pytest.raises(ExportError, match=rf"{re.escape(str(out / name))}: is not a regular file \(a symbolic link"):
+        ckptstream.export_hf(src, out, max_shard_size="1GB" if name == "model.safetensors" else "8KB",
+                             config=tmp_path / "config.json")
+    assert os.listdir(out) == [name]
+    assert (out / name).is_symlink()
+    assert (outside.read_bytes() if not dangling else None) == before
+    assert dangling == (not outside.exists())
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", "flat.safetensors", "hf"]
+                                                  + ([] if dangling else ["outside"]))  # no temp beside it
+
+
+def test_a_link_under_a_name_the_export_removes_goes_and_its_target_stays(tmp_path: Path) -> None:
+    src, state = _flat_state_file(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(os.urandom(1000))
+    before = outside.read_bytes()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00099.safetensors").symlink_to(outside)  # an earlier export's stale shard
+    ckptstream.export_hf(src, out)
+    assert os.listdir(out) == ["model.safetensors"]
+    assert outside.read_bytes() == before
+    got = check_folder(out, shards=1)
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
 def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path:
