@@ -144,6 +144,49 @@ def test_bad_arguments_raise_typed_errors_naming_the_source_and_write_nothing(tm
     assert sorted(p.name for p in inside.iterdir()) == ["model.safetensors"]
 
 
+def test_a_training_state_without_a_prefix_is_refused_naming_its_top_level(tmp_path: Path, gpt2: Any,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    state = {**trained_state(gpt2), "rng": torch.get_rng_state()}
+    src = tmp_path / "state.safetensors"
+    ckptstream.save(state, src)
+    out = tmp_path / "hf"
+    want = (rf"{re.escape(str(src))}: holds more than a model's flat state of tensors: its top-level entries are "
+            r"'model', 'optim', 'step', 'rng', and 'model' is not a tensor.*prefix='model\.' \(--prefix model\.\)"
+            r".*prefix='' \(--prefix ''\) to export every tensor")
+    with pytest.raises(ExportError, match=want):
+        ckptstream.export_hf(src, out)
+    assert main(["export-hf", str(src), str(out), "--quiet"]) == 2
+    assert re.search(want, capsys.readouterr().err)
+    assert not out.exists()
+    # a flat state: no prefix needed; the optimizer alone is refused too
+    flat = tmp_path / "flat.safetensors"
+    ckptstream.save(gpt2.state_dict(), flat)
+    ckptstream.export_hf(flat, out)
+    tiny_config().save_pretrained(out)
+    assert_reloads(out, gpt2)
+    ckptstream.save(state["optim"], tmp_path / "optim.safetensors")
+    with pytest.raises(ExportError, match=r"entries are 'state', 'param_groups', and 'state' is not.*prefix='state\.'"):
+        ckptstream.export_hf(tmp_path / "optim.safetensors", tmp_path / "hf2")
+
+
+def test_an_empty_prefix_exports_every_tensor_on_purpose(tmp_path: Path, gpt2: Any) -> None:
+    state = {**trained_state(gpt2), "rng": torch.get_rng_state()}
+    src = tmp_path / "state.safetensors"
+    ckptstream.save(state, src)
+    with ckptstream.open(src) as reader:
+        stored = {e.key: reader.read(e.key) for e in reader.entries()}
+    assert main(["export-hf", str(src), str(tmp_path / "hf"), "--prefix", "", "--quiet"]) == 0
+    result = ckptstream.export_hf(src, tmp_path / "hf2", prefix="", max_shard_size="50KB")
+    for folder in ("hf", "hf2"):
+        got = check_folder(tmp_path / folder)
+        tied = {"model.lm_head.weight"}  # stored once, under model.transformer.wte.weight
+        assert got.keys() == stored.keys() - tied
+        assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), stored[k].reshape(-1).view(torch.uint8))
+                   for k in got)
+    assert result.tied == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    assert "optim.state.0.exp_avg" in got
+
+
 def test_a_corrupt_source_fails_and_leaves_the_earlier_export(tmp_path: Path, gpt2: Any, state_file: Path) -> None:
     out = tmp_path / "hf"
     ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="40KB")

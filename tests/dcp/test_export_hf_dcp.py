@@ -126,8 +126,27 @@ def test_a_filesystemwriter_chunk_that_needs_unpickling_is_refused(tmp_path: Pat
     _fsw_save({"model": {"w": torch.randn(3, 4)}}, tmp_path / "fsw")
     monkeypatch.undo()
     with pytest.raises(ExportError, match=r"fsw: the chunk of 'model\.w'.*_rebuild_parameter.*running code"):
-        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf")
+        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf", prefix="model.")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("writer", ["fsw", "stream"])
+def test_a_training_state_without_a_prefix_is_refused(tmp_path: Path, writer: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    state = {"model": {"w": torch.randn(3, 4, generator=g)}, "optim": {"state": {"w": {"exp_avg": torch.randn(3, 4)}}},
+             "rng": torch.get_rng_state(), "step": 3}
+    src = tmp_path / writer
+    make = dcp.FileSystemWriter(src) if writer == "fsw" else ckptstream.dcp.StreamWriter(src)
+    single_process(dcp.save, state, storage_writer=make)
+    with pytest.raises(ExportError, match=rf"{writer}: holds more than a model's flat state of tensors: its top-level "
+                                          r"entries are 'model', 'optim', 'rng', 'step'.*prefix='model\.'"):
+        ckptstream.export_hf(src, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    ckptstream.export_hf(src, tmp_path / "hf", prefix="")
+    got = check_folder(tmp_path / "hf")
+    assert sorted(got) == ["model.w", "optim.state.w.exp_avg", "rng"]
+    assert torch.equal(got["model.w"], state["model"]["w"])
+    assert torch.equal(got["rng"], state["rng"])
 
 
 class Opaque:

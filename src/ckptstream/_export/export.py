@@ -80,7 +80,9 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
             placement are put back together from their chunks).
         out: the folder to write (created if missing).
         prefix: export only the tensors whose names start with it, without it (``"model."``
-            for a state ``{"model": model.state_dict(), "optim": ...}``); None: all.
+            for a state ``{"model": model.state_dict(), "optim": ...}``). None: every tensor of a
+            model's flat state ``{name: tensor}`` (a source with any other top-level entry, such
+            as a training state's optimizer, is refused); ``""``: every tensor, on purpose.
         max_shard_size: bytes per shard, as an int or "5GB", "500MB", "2GiB"; one shard is
             ``model.safetensors``, more are ``model-00001-of-0000N.safetensors`` and
             ``model.safetensors.index.json`` (cut as ``save_pretrained`` cuts them).
@@ -103,8 +105,9 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
         An ``HFExport``: the files written, the tensors' count and bytes, the tied names.
 
     Raises:
-        ExportError: nothing under ``prefix``, an unknown dtype or size, OUT is a file or holds
-            the source, ranks that disagree, chunks that cannot be read without running code.
+        ExportError: nothing under ``prefix``, more than a model's flat state without one, an
+            unknown dtype or size, OUT is a file, holds the source or a link under a name the
+            export writes, ranks that disagree, chunks that cannot be read without running code.
         CorruptCheckpointError: the source fails its checksums or does not hold what its
             metadata says (nothing is published).
         FileNotFoundError: ``src`` or ``config`` does not exist.

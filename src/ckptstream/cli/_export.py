@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "DCP checkpoint's folder (StreamWriter or FileSystemWriter)")
     add("out", help="the folder to write (created if missing; other files in it stay)")
     add("--prefix", help="export only the tensors under this prefix, without it (e.g. 'model.' for "
-                         "{'model': ..., 'optim': ...})")
+                         "{'model': ..., 'optim': ...}); without --prefix the source must be a model's flat "
+                         "state_dict, and --prefix '' exports every tensor")
     add("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
         help=f"bytes per shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
     add("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors (integers and bools stay)")
