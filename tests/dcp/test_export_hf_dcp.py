@@ -133,8 +133,9 @@ def test_a_filesystemwriter_chunk_that_needs_unpickling_is_refused(tmp_path: Pat
 @pytest.mark.parametrize("writer", ["fsw", "stream"])
 def test_a_training_state_without_a_prefix_is_refused(tmp_path: Path, writer: str) -> None:
     g = torch.Generator().manual_seed(4)
-    state = {"model": {"w": torch.randn(3, 4, generator=g)}, "optim": {"state": {"w": {"exp_avg": torch.randn(3, 4)}}},
-             "rng": torch.get_rng_state(), "step": 3}
+    w, rng = torch.randn(3, 4, generator=g), torch.get_rng_state()
+    state = {"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": torch.randn(3, 4, generator=g)}}}, "rng": rng,
+             "step": 3}
     src = tmp_path / writer
     make = dcp.FileSystemWriter(src) if writer == "fsw" else ckptstream.dcp.StreamWriter(src)
     single_process(dcp.save, state, storage_writer=make)
@@ -145,8 +146,8 @@ def test_a_training_state_without_a_prefix_is_refused(tmp_path: Path, writer: st
     ckptstream.export_hf(src, tmp_path / "hf", prefix="")
     got = check_folder(tmp_path / "hf")
     assert sorted(got) == ["model.w", "optim.state.w.exp_avg", "rng"]
-    assert torch.equal(got["model.w"], state["model"]["w"])
-    assert torch.equal(got["rng"], state["rng"])
+    assert torch.equal(got["model.w"], w)
+    assert torch.equal(got["rng"], rng)
 
 
 class Opaque:
