@@ -265,6 +265,22 @@ def test_a_link_under_a_name_the_export_removes_goes_and_its_target_stays(tmp_pa
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_distinct_views_of_one_storage_are_each_exported_and_equal_views_tied(tmp_path: Path) -> None:
+    w = torch.randn(6, 5, generator=torch.Generator().manual_seed(8))
+    state = {"model": {"top": w[:4], "bottom": w[2:], "again": w[:4]}, "step": 1}  # overlapping: one blob, views
+    ckptstream.save(state, tmp_path / "views.safetensors")
+    with ckptstream.open(tmp_path / "views.safetensors") as reader:
+        assert len({e.stored_as for e in reader.entries()}) == 1
+        assert all(e.view is not None for e in reader.entries())
+    result = ckptstream.export_hf(tmp_path / "views.safetensors", tmp_path / "hf", prefix="model.",
+                                  settings=Settings(**SMALL))
+    got = check_folder(tmp_path / "hf", shards=1)
+    assert sorted(got) == ["bottom", "top"]
+    assert got["top"].view(torch.int32).equal(w[:4].view(torch.int32))
+    assert got["bottom"].view(torch.int32).equal(w[2:].view(torch.int32))
+    assert result.tied == {"again": "top"}
+
+
 def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path:
     folder = step_dir(str(directory), step)
     Path(folder).mkdir(parents=True)
