@@ -370,3 +370,15 @@ def test_shards_are_cut_as_huggingface_hub_cuts_them() -> None:
         ours = split([OutTensor(name, name, torch.uint8, (n,), [], torch.uint8)
                       for name, n in zip(names, sizes, strict=True)], limit)
         assert [[t.name for t in shard] for shard in ours] == list(theirs.filename_to_tensors.values())
+
+
+def test_shard_sizes_are_read_as_huggingface_hub_reads_them() -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    from ckptstream._export.plan import parse_size
+
+    for size in ("5GB", "500MB", "40KB", "1.5GB", "3TB", " 7 MB", "2kb", "0.25GB"):
+        assert parse_size(size) == parse_size_to_int(size), size  # powers of 10
+    binary = {"5GiB": 5 * 2**30, "2MiB": 2 * 2**20, "40KiB": 40 * 2**10, "1TiB": 2**40, "3gib": 3 * 2**30}
+    assert {size: parse_size(size) for size in binary} == binary
+    assert parse_size(12345) == 12345
