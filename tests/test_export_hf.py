@@ -281,6 +281,19 @@ def test_distinct_views_of_one_storage_are_each_exported_and_equal_views_tied(tm
     assert result.tied == {"again": "top"}
 
 
+def test_a_prefix_matches_the_start_of_a_name_only(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(9)
+    model = {"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g)}
+    ema = {"model": {"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g),
+                     "extra": torch.randn(2, generator=g)}}
+    ckptstream.save({"ema": ema, "model": model, "step": 1}, tmp_path / "s.safetensors")
+    result = ckptstream.export_hf(tmp_path / "s.safetensors", tmp_path / "hf", prefix="model.")
+    got = check_folder(tmp_path / "hf", shards=1)
+    assert sorted(got) == ["b", "w"]
+    assert all(got[k].view(torch.int32).equal(model[k].view(torch.int32)) for k in model)
+    assert (result.tensors, result.total_size) == (2, 96)
+
+
 def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path:
     folder = step_dir(str(directory), step)
     Path(folder).mkdir(parents=True)
