@@ -6,10 +6,12 @@ refused; on the GPU machine, a checkpoint of CUDA DTensors."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,36 @@ def test_a_training_state_without_a_prefix_is_refused(tmp_path: Path, writer: st
     assert sorted(got) == ["model.w", "optim.state.w.exp_avg", "rng"]
     assert torch.equal(got["model.w"], w)
     assert torch.equal(got["rng"], rng)
+
+
+def test_a_filesystemwriter_chunk_whose_tensor_runs_past_its_storage_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FileSystemWriter chunks hold no checksum: bytes read past the storage's entry (the zip's
+    next header) would be exported as the tensor's, without a word."""
+    real = torch.save
+
+    def shifted(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:  # storage offset 0 -> 4 elements
+        if not isinstance(obj, torch.Tensor):
+            return real(obj, f, *args, **kwargs)
+        raw = io.BytesIO()
+        real(obj, raw, *args, **kwargs)
+        archive, out = zipfile.ZipFile(io.BytesIO(raw.getvalue())), io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+            for info in archive.infolist():
+                data = archive.read(info)
+                if info.filename.endswith("/data.pkl"):
+                    assert data.count(b"QK\x00") == 1  # BINPERSID (the storage), then BININT1 0 (its offset)
+                    data = data.replace(b"QK\x00", b"QK\x04")
+                rewritten.writestr(info.filename, data)
+        f.write(out.getvalue())
+        return None
+
+    monkeypatch.setattr(torch, "save", shifted)
+    _fsw_save({"w": torch.randn(3, 4, generator=torch.Generator().manual_seed(2))}, tmp_path / "fsw")
+    monkeypatch.undo()
+    with pytest.raises(ExportError, match=r"fsw: the chunk of 'w'.*its tensor runs past its storage's 48 bytes"):
+        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 class Opaque:
