@@ -222,3 +222,23 @@ def test_chunks_that_overlap_are_refused(saved: Path, tmp_path: Path) -> None:
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"two chunks hold element 4096 of 'transformer"):
         ckptstream.export_hf(copy, tmp_path / "hf", settings=Settings(buffer_size=4096))
+
+
+def test_a_chunk_past_the_tensors_edge_is_refused_naming_it(tmp_path: Path) -> None:
+    """Its element count is the tensor's: only the check of its place finds it before the bytes move."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    _fsw_save({"w": torch.randn(8, 4, generator=torch.Generator().manual_seed(6))}, tmp_path / "fsw")
+    metadata = pickle.loads((tmp_path / "fsw" / ".metadata").read_bytes())
+    chunks = metadata.state_dict_metadata["w"].chunks
+    assert [list(c.offsets) for c in chunks] == [[0, 0]]
+    chunks[0] = dataclasses.replace(chunks[0], offsets=torch.Size([2, 0]))  # rows 2..9 of 8
+    metadata.storage_data[MetadataIndex("w", [2, 0])] = metadata.storage_data.pop(MetadataIndex("w", [0, 0]))
+    (tmp_path / "fsw" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ckptstream.CorruptCheckpointError,
+                       match=r"the chunk of 'w' at \[2, 0\].*a box of \[8, 4\] at \[2, 0\] does not fit the "
+                             r"tensor's shape \[8, 4\]; the metadata is damaged"):
+        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

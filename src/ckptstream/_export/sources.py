@@ -278,8 +278,8 @@ def _check_cover(fqn: str, shape: tuple[int, ...], boxes: list[Box], directory: 
     for box in boxes:
         if len(box.origin) != len(shape) or len(box.sizes) != len(shape) or any(
                 o + n > s for o, n, s in zip(box.origin, box.sizes, shape, strict=True)):
-            raise CorruptCheckpointError(f"{box.what}: a box of {list(box.sizes)} does not fit the tensor's shape "
-                                         f"{list(shape)}; the metadata is damaged")
+            raise CorruptCheckpointError(f"{box.what}: a box of {list(box.sizes)} at {list(box.origin)} does not fit "
+                                         f"the tensor's shape {list(shape)}; the metadata is damaged")
     covered, numel = sum(b.numel for b in boxes), math.prod(shape)
     if covered != numel:
         raise CorruptCheckpointError(f"{directory}: the chunks of {fqn!r} hold {covered} elements, the tensor "
