@@ -11,8 +11,8 @@ import ckptstream
 HELP = "write a checkpoint's model as a Hugging Face folder (safetensors shards and index) that from_pretrained loads"
 
 EPILOG = ("Tied tensors (the same tensor under two names) are written once, as transformers writes them. The "
-          "files stream through ckptstream's staging buffers; an earlier export in OUT stays whole until the new "
-          "one is complete, and the index (or the single model.safetensors) is written last. Exit status: 0 "
+          "files stream through ckptstream's staging buffers; nothing in OUT changes until every new file is durable, "
+          "and the index (or the single model.safetensors) is renamed in last. Exit status: 0 "
           "written; 1 the source fails its checksums or does not hold what its metadata says; 2 bad arguments or "
           "input.")
 
