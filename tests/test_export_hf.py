@@ -395,3 +395,20 @@ def test_shard_sizes_are_read_as_huggingface_hub_reads_them() -> None:
     binary = {"5GiB": 5 * 2**30, "2MiB": 2 * 2**20, "40KiB": 40 * 2**10, "1TiB": 2**40, "3gib": 3 * 2**30}
     assert {size: parse_size(size) for size in binary} == binary
     assert parse_size(12345) == 12345
+
+
+def test_an_export_through_another_storage_replaces_the_earlier_one(tmp_path: Path, mem: Any) -> None:
+    """The export uses the storage seam only: into an in-memory storage, sealing does nothing,
+    and publishing names each object."""
+    src, state = _flat_state_file(tmp_path)
+    first = ckptstream.export_hf(src, "mem://space/hf", max_shard_size="8KB")
+    assert first.files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                           "model.safetensors.index.json"]
+    ckptstream.export_hf(src, "mem://space/hf", max_shard_size="8KB")  # over shards of the same names
+    assert sorted(mem.objects) == sorted(f"mem://space/hf/{name}" for name in first.files)
+    ckptstream.export_hf(src, "mem://space/hf")
+    assert sorted(mem.objects) == ["mem://space/hf/model.safetensors"]
+    assert not mem.pending
+    with ckptstream.open("mem://space/hf/model.safetensors") as reader:
+        assert reader.keys() == list(state)
+        assert all(reader.read(k).view(torch.int32).equal(v.view(torch.int32)) for k, v in state.items())
