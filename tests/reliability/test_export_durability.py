@@ -111,3 +111,30 @@ def test_every_new_file_is_durable_before_a_name_changes_and_no_mix_looks_comple
     for name in result.files:
         if name.endswith(".safetensors"):
             ckptstream.verify(out / name)
+
+
+def test_a_sealed_sink_holds_no_descriptor_and_is_published_or_abandoned_later(tmp_path: Path) -> None:
+    from ckptstream._storage import storage_for
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    storage = storage_for(str(path))
+    data = [os.urandom(5000), os.urandom(7000)]
+    for publish_it, payload in zip((False, True), data, strict=True):
+        before = set(os.listdir("/proc/self/fd"))
+        sink = storage.create(str(path))
+        sink.write_at(memoryview(payload), 0)
+        sink.seal()
+        assert set(os.listdir("/proc/self/fd")) <= before, "the sealed sink still holds a descriptor"
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            sink.write_at(memoryview(b"late"), 0)  # closed: never into a file that reused the number
+        assert path.read_bytes() == b"old"
+        if publish_it:
+            sink.publish()
+            assert path.read_bytes() == payload
+            assert os.stat(path).st_mode & 0o777 == 0o640
+        else:
+            sink.abandon()
+            assert path.read_bytes() == b"old"
+        assert sorted(os.listdir(tmp_path)) == ["f.bin"]
