@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,49 @@ def test_bad_arguments_raise_typed_errors_naming_the_source_and_write_nothing(tm
     assert sorted(p.name for p in inside.iterdir()) == ["model.safetensors"]
 
 
+def test_a_training_state_without_a_prefix_is_refused_naming_its_top_level(tmp_path: Path, gpt2: Any,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    state = {**trained_state(gpt2), "rng": torch.get_rng_state()}
+    src = tmp_path / "state.safetensors"
+    ckptstream.save(state, src)
+    out = tmp_path / "hf"
+    want = (rf"{re.escape(str(src))}: holds more than a model's flat state of tensors: its top-level entries are "
+            r"'model', 'optim', 'step', 'rng', and 'model' is not a tensor.*prefix='model\.' \(--prefix model\.\)"
+            r".*prefix='' \(--prefix ''\) to export every tensor")
+    with pytest.raises(ExportError, match=want):
+        ckptstream.export_hf(src, out)
+    assert main(["export-hf", str(src), str(out), "--quiet"]) == 2
+    assert re.search(want, capsys.readouterr().err)
+    assert not out.exists()
+    # a flat state: no prefix needed; the optimizer alone is refused too
+    flat = tmp_path / "flat.safetensors"
+    ckptstream.save(gpt2.state_dict(), flat)
+    ckptstream.export_hf(flat, out)
+    tiny_config().save_pretrained(out)
+    assert_reloads(out, gpt2)
+    ckptstream.save(state["optim"], tmp_path / "optim.safetensors")
+    with pytest.raises(ExportError, match=r"entries are 'state', 'param_groups', and 'state' is not.*prefix='state\.'"):
+        ckptstream.export_hf(tmp_path / "optim.safetensors", tmp_path / "hf2")
+
+
+def test_an_empty_prefix_exports_every_tensor_on_purpose(tmp_path: Path, gpt2: Any) -> None:
+    state = {**trained_state(gpt2), "rng": torch.get_rng_state()}
+    src = tmp_path / "state.safetensors"
+    ckptstream.save(state, src)
+    with ckptstream.open(src) as reader:
+        stored = {e.key: reader.read(e.key) for e in reader.entries()}
+    assert main(["export-hf", str(src), str(tmp_path / "hf"), "--prefix", "", "--quiet"]) == 0
+    result = ckptstream.export_hf(src, tmp_path / "hf2", prefix="", max_shard_size="50KB")
+    for folder in ("hf", "hf2"):
+        got = check_folder(tmp_path / folder)
+        tied = {"model.lm_head.weight"}  # stored once, under model.transformer.wte.weight
+        assert got.keys() == stored.keys() - tied
+        assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), stored[k].reshape(-1).view(torch.uint8))
+                   for k in got)
+    assert result.tied == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    assert "optim.state.0.exp_avg" in got
+
+
 def test_a_corrupt_source_fails_and_leaves_the_earlier_export(tmp_path: Path, gpt2: Any, state_file: Path) -> None:
     out = tmp_path / "hf"
     ckptstream.export_hf(state_file, out, prefix="model.", max_shard_size="40KB")
@@ -167,6 +212,86 @@ def test_a_new_export_replaces_only_the_weights_of_the_earlier(tmp_path: Path, g
     tiny_config().save_pretrained(out)
     check_folder(out)
     assert_reloads(out, gpt2)
+
+
+def _flat_state_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A model's flat state of 4 tensors of 4000 bytes each (two shards under "8KB")."""
+    g = torch.Generator().manual_seed(21)
+    state = {f"layer.{i}.weight": torch.randn(1000, generator=g) for i in range(4)}
+    ckptstream.save(state, tmp_path / "flat.safetensors")
+    return tmp_path / "flat.safetensors", state
+
+
+OUTPUTS = ["config.json", "model.safetensors", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+           "model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+@pytest.mark.parametrize("name", OUTPUTS)
+def test_a_link_under_a_name_the_export_writes_is_refused(tmp_path: Path, name: str, dangling: bool) -> None:
+    src, _ = _flat_state_file(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    outside = tmp_path / "outside"
+    if not dangling:
+        outside.write_bytes(os.urandom(1000))
+    before = outside.read_bytes() if not dangling else None
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    with pytest.raises(ExportError, match=rf"{re.escape(str(out / name))}: is not a regular file \(a symbolic link"):
+        ckptstream.export_hf(src, out, max_shard_size="1GB" if name == "model.safetensors" else "8KB",
+                             config=tmp_path / "config.json")
+    assert os.listdir(out) == [name]
+    assert (out / name).is_symlink()
+    assert (outside.read_bytes() if not dangling else None) == before
+    assert dangling == (not outside.exists())
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", "flat.safetensors", "hf"]
+                                                  + ([] if dangling else ["outside"]))  # no temp beside it
+
+
+def test_a_link_under_a_name_the_export_removes_goes_and_its_target_stays(tmp_path: Path) -> None:
+    src, state = _flat_state_file(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(os.urandom(1000))
+    before = outside.read_bytes()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00099.safetensors").symlink_to(outside)  # an earlier export's stale shard
+    ckptstream.export_hf(src, out)
+    assert os.listdir(out) == ["model.safetensors"]
+    assert outside.read_bytes() == before
+    got = check_folder(out, shards=1)
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_distinct_views_of_one_storage_are_each_exported_and_equal_views_tied(tmp_path: Path) -> None:
+    w = torch.randn(6, 5, generator=torch.Generator().manual_seed(8))
+    state = {"model": {"top": w[:4], "bottom": w[2:], "again": w[:4]}, "step": 1}  # overlapping: one blob, views
+    ckptstream.save(state, tmp_path / "views.safetensors")
+    with ckptstream.open(tmp_path / "views.safetensors") as reader:
+        assert len({e.stored_as for e in reader.entries()}) == 1
+        assert all(e.view is not None for e in reader.entries())
+    result = ckptstream.export_hf(tmp_path / "views.safetensors", tmp_path / "hf", prefix="model.",
+                                  settings=Settings(**SMALL))
+    got = check_folder(tmp_path / "hf", shards=1)
+    assert sorted(got) == ["bottom", "top"]
+    assert got["top"].view(torch.int32).equal(w[:4].view(torch.int32))
+    assert got["bottom"].view(torch.int32).equal(w[2:].view(torch.int32))
+    assert result.tied == {"again": "top"}
+
+
+def test_a_prefix_matches_the_start_of_a_name_only(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(9)
+    model = {"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g)}
+    ema = {"model": {"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g),
+                     "extra": torch.randn(2, generator=g)}}
+    ckptstream.save({"ema": ema, "model": model, "step": 1}, tmp_path / "s.safetensors")
+    result = ckptstream.export_hf(tmp_path / "s.safetensors", tmp_path / "hf", prefix="model.")
+    got = check_folder(tmp_path / "hf", shards=1)
+    assert sorted(got) == ["b", "w"]
+    assert all(got[k].view(torch.int32).equal(model[k].view(torch.int32)) for k in model)
+    assert (result.tensors, result.total_size) == (2, 96)
 
 
 def _rank_step(directory: Path, step: int, states: list[dict[str, Any]]) -> Path:
@@ -258,3 +383,32 @@ def test_shards_are_cut_as_huggingface_hub_cuts_them() -> None:
         ours = split([OutTensor(name, name, torch.uint8, (n,), [], torch.uint8)
                       for name, n in zip(names, sizes, strict=True)], limit)
         assert [[t.name for t in shard] for shard in ours] == list(theirs.filename_to_tensors.values())
+
+
+def test_shard_sizes_are_read_as_huggingface_hub_reads_them() -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    from ckptstream._export.plan import parse_size
+
+    for size in ("5GB", "500MB", "40KB", "1.5GB", "3TB", " 7 MB", "2kb", "0.25GB"):
+        assert parse_size(size) == parse_size_to_int(size), size  # powers of 10
+    binary = {"5GiB": 5 * 2**30, "2MiB": 2 * 2**20, "40KiB": 40 * 2**10, "1TiB": 2**40, "3gib": 3 * 2**30}
+    assert {size: parse_size(size) for size in binary} == binary
+    assert parse_size(12345) == 12345
+
+
+def test_an_export_through_another_storage_replaces_the_earlier_one(tmp_path: Path, mem: Any) -> None:
+    """The export uses the storage seam only: into an in-memory storage, sealing does nothing,
+    and publishing names each object."""
+    src, state = _flat_state_file(tmp_path)
+    first = ckptstream.export_hf(src, "mem://space/hf", max_shard_size="8KB")
+    assert first.files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                           "model.safetensors.index.json"]
+    ckptstream.export_hf(src, "mem://space/hf", max_shard_size="8KB")  # over shards of the same names
+    assert sorted(mem.objects) == sorted(f"mem://space/hf/{name}" for name in first.files)
+    ckptstream.export_hf(src, "mem://space/hf")
+    assert sorted(mem.objects) == ["mem://space/hf/model.safetensors"]
+    assert not mem.pending
+    with ckptstream.open("mem://space/hf/model.safetensors") as reader:
+        assert reader.keys() == list(state)
+        assert all(reader.read(k).view(torch.int32).equal(v.view(torch.int32)) for k, v in state.items())

@@ -6,10 +6,12 @@ refused; on the GPU machine, a checkpoint of CUDA DTensors."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,56 @@ def test_a_filesystemwriter_chunk_that_needs_unpickling_is_refused(tmp_path: Pat
     _fsw_save({"model": {"w": torch.randn(3, 4)}}, tmp_path / "fsw")
     monkeypatch.undo()
     with pytest.raises(ExportError, match=r"fsw: the chunk of 'model\.w'.*_rebuild_parameter.*running code"):
+        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf", prefix="model.")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("writer", ["fsw", "stream"])
+def test_a_training_state_without_a_prefix_is_refused(tmp_path: Path, writer: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    w, rng = torch.randn(3, 4, generator=g), torch.get_rng_state()
+    state = {"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": torch.randn(3, 4, generator=g)}}}, "rng": rng,
+             "step": 3}
+    src = tmp_path / writer
+    make = dcp.FileSystemWriter(src) if writer == "fsw" else ckptstream.dcp.StreamWriter(src)
+    single_process(dcp.save, state, storage_writer=make)
+    with pytest.raises(ExportError, match=rf"{writer}: holds more than a model's flat state of tensors: its top-level "
+                                          r"entries are 'model', 'optim', 'rng', 'step'.*prefix='model\.'"):
+        ckptstream.export_hf(src, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    ckptstream.export_hf(src, tmp_path / "hf", prefix="")
+    got = check_folder(tmp_path / "hf")
+    assert sorted(got) == ["model.w", "optim.state.w.exp_avg", "rng"]
+    assert torch.equal(got["model.w"], w)
+    assert torch.equal(got["rng"], rng)
+
+
+def test_a_filesystemwriter_chunk_whose_tensor_runs_past_its_storage_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FileSystemWriter chunks hold no checksum: bytes read past the storage's entry (the zip's
+    next header) would be exported as the tensor's, without a word."""
+    real = torch.save
+
+    def shifted(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:  # storage offset 0 -> 4 elements
+        if not isinstance(obj, torch.Tensor):
+            return real(obj, f, *args, **kwargs)
+        raw = io.BytesIO()
+        real(obj, raw, *args, **kwargs)
+        archive, out = zipfile.ZipFile(io.BytesIO(raw.getvalue())), io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+            for info in archive.infolist():
+                data = archive.read(info)
+                if info.filename.endswith("/data.pkl"):
+                    assert data.count(b"QK\x00") == 1  # BINPERSID (the storage), then BININT1 0 (its offset)
+                    data = data.replace(b"QK\x00", b"QK\x04")
+                rewritten.writestr(info.filename, data)
+        f.write(out.getvalue())
+        return None
+
+    monkeypatch.setattr(torch, "save", shifted)
+    _fsw_save({"w": torch.randn(3, 4, generator=torch.Generator().manual_seed(2))}, tmp_path / "fsw")
+    monkeypatch.undo()
+    with pytest.raises(ExportError, match=r"fsw: the chunk of 'w'.*its tensor runs past its storage's 48 bytes"):
         ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -170,3 +222,23 @@ def test_chunks_that_overlap_are_refused(saved: Path, tmp_path: Path) -> None:
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(ckptstream.CorruptCheckpointError, match=r"two chunks hold element 4096 of 'transformer"):
         ckptstream.export_hf(copy, tmp_path / "hf", settings=Settings(buffer_size=4096))
+
+
+def test_a_chunk_past_the_tensors_edge_is_refused_naming_it(tmp_path: Path) -> None:
+    """Its element count is the tensor's: only the check of its place finds it before the bytes move."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    _fsw_save({"w": torch.randn(8, 4, generator=torch.Generator().manual_seed(6))}, tmp_path / "fsw")
+    metadata = pickle.loads((tmp_path / "fsw" / ".metadata").read_bytes())
+    chunks = metadata.state_dict_metadata["w"].chunks
+    assert [list(c.offsets) for c in chunks] == [[0, 0]]
+    chunks[0] = dataclasses.replace(chunks[0], offsets=torch.Size([2, 0]))  # rows 2..9 of 8
+    metadata.storage_data[MetadataIndex("w", [2, 0])] = metadata.storage_data.pop(MetadataIndex("w", [0, 0]))
+    (tmp_path / "fsw" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ckptstream.CorruptCheckpointError,
+                       match=r"the chunk of 'w' at \[2, 0\].*a box of \[8, 4\] at \[2, 0\] does not fit the "
+                             r"tensor's shape \[8, 4\]; the metadata is damaged"):
+        ckptstream.export_hf(tmp_path / "fsw", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

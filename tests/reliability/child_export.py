@@ -6,12 +6,17 @@
     child_export.py kill SRC OUT POINT     export_hf that prints "ready" and waits for its kill at
                                            POINT: "stream" (the 2nd shard's data is streaming) or
                                            "publish" (the 1st shard is renamed in, the 2nd is not)
+    child_export.py files SRC OUT LIMIT    export_hf of SRC, one tensor a shard, with RLIMIT_NOFILE at
+                                           LIMIT descriptors; prints one JSON line: the shards, and the
+                                           descriptors open before the export
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import resource
 import sys
 import threading
 from typing import Any
@@ -67,6 +72,12 @@ def main() -> int:
         ckptstream.export_hf(src, out, prefix="model.", max_shard_size="40KB", settings=Settings(buffer_size=8192,
                                                                                                  num_buffers=2))
         print("finished", flush=True)
+        return 0
+    if what == "files":
+        open_before = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(arg), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        result = ckptstream.export_hf(src, out, max_shard_size=1, settings=Settings(buffer_size=4096, io_threads=2))
+        print(json.dumps({"shards": len(result.files) - 1, "open_before": open_before}))
         return 0
     from ckptstream.bench.measure import PeakRss
 

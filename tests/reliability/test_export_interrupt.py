@@ -1,7 +1,8 @@
 """An export killed for real (SIGKILL of a child process) leaves no folder that transformers
-takes as complete: killed while the tensors stream, an earlier export in OUT is still there,
-whole; killed while the files are renamed in, there is no index. A later export then succeeds
-and leaves no temp behind."""
+takes as complete but the earlier export: killed while the tensors stream, the earlier export in
+OUT is still there, whole; killed while the files are renamed in, it is still there, whole, where
+the new shards have names of their own, and there is no index where they take the names of its
+shards. A later export then succeeds and leaves no temp behind."""
 
 from __future__ import annotations
 
@@ -37,20 +38,25 @@ def kill_mid_export(src: Path, out: Path, point: str) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.parametrize("earlier", ["60KB", "40KB"])  # shards of other names than the new ones; of the same
 @pytest.mark.parametrize("point", ["stream", "publish"])
-def test_a_killed_export_never_looks_complete(tmp_path: Path, point: str) -> None:
+def test_a_killed_export_never_looks_complete(tmp_path: Path, point: str, earlier: str) -> None:
     model = tiny_gpt2()
     src = tmp_path / "state.safetensors"
     ckptstream.save(trained_state(model), src)
     out = tmp_path / "hf"
-    ckptstream.export_hf(src, out, prefix="model.", max_shard_size="60KB")  # an earlier export
+    ckptstream.export_hf(src, out, prefix="model.", max_shard_size=earlier)  # an earlier export
     tiny_config().save_pretrained(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     kill_mid_export(src, out, point)
     names = {p.name for p in out.iterdir()}
     assert any(".ckptstream-tmp-" in n for n in names)  # killed for real, mid-way
-    if point == "stream":  # nothing in OUT changed yet: the earlier export is there, whole
-        assert {p.name: p.read_bytes() for p in out.iterdir() if ".ckptstream-tmp-" not in p.name} == before
+    now = {p.name: p.read_bytes() for p in out.iterdir() if ".ckptstream-tmp-" not in p.name}
+    new_shard = "model-00001-of-00008.safetensors"  # the new export's first, renamed in at "publish"
+    if point == "stream" or earlier == "60KB":  # the earlier export is there, whole, and loads
+        assert {n: b for n, b in now.items() if n != new_shard or point == "stream"} == before
+        assert (point == "publish") == (new_shard in now and new_shard not in before)
+        assert_reloads(out, model)
     else:
         assert "model.safetensors.index.json" not in names
         assert "model.safetensors" not in names

@@ -2,13 +2,14 @@
 folder (``model.safetensors``, or shards and ``model.safetensors.index.json``, as
 ``save_pretrained`` writes them), streamed through the staging buffers.
 
-The folder: every file is written to a temp beside its name first (nothing in OUT changes while
-the tensors stream, so an export that fails leaves an earlier export there as it was); then the
-weights' names of an earlier export (``model.safetensors``, the index, ``model-*-of-*`` shards)
-are removed, ``config.json`` is copied in, the new files are renamed into place, and the weights'
-last name (the index, or the single ``model.safetensors``) is published last. An export stopped
-at any point leaves no folder that transformers takes as complete. Other files in OUT (a
-tokenizer, a README) stay as they are.
+The folder: every file (shards, index, ``config.json``) is written to a temp beside its name
+and made durable first, its descriptors closed as it is done (nothing in OUT changes while the
+tensors stream, so an export that fails leaves an earlier export there as it was). Then only
+names change: ``config.json`` is renamed in, the shards, and the weights' last name (the index,
+or the single ``model.safetensors``) last; the earlier export's weights that the new names do
+not replace go after it. Where a new shard takes the name of a shard of the earlier export, the
+earlier index is removed (durably) before that rename, so that no mix of the two exports ever
+looks complete. Other files in OUT (a tokenizer, a README) stay as they are.
 """
 
 from __future__ import annotations
@@ -47,9 +48,6 @@ from .sources import find
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
 MAX_CONFIG = 16 << 20  # a model's config.json is a few KiB
 
 
@@ -82,7 +80,9 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
             placement are put back together from their chunks).
         out: the folder to write (created if missing).
         prefix: export only the tensors whose names start with it, without it (``"model."``
-            for a state ``{"model": model.state_dict(), "optim": ...}``); None: all.
+            for a state ``{"model": model.state_dict(), "optim": ...}``). None: every tensor of a
+            model's flat state ``{name: tensor}`` (a source with any other top-level entry, such
+            as a training state's optimizer, is refused); ``""``: every tensor, on purpose.
         max_shard_size: bytes per shard, as an int or "5GB", "500MB", "2GiB"; one shard is
             ``model.safetensors``, more are ``model-00001-of-0000N.safetensors`` and
             ``model.safetensors.index.json`` (cut as ``save_pretrained`` cuts them).
@@ -105,8 +105,9 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
         An ``HFExport``: the files written, the tensors' count and bytes, the tied names.
 
     Raises:
-        ExportError: nothing under ``prefix``, an unknown dtype or size, OUT is a file or holds
-            the source, ranks that disagree, chunks that cannot be read without running code.
+        ExportError: nothing under ``prefix``, more than a model's flat state without one, an
+            unknown dtype or size, OUT is a file, holds the source or a link under a name the
+            export writes, ranks that disagree, chunks that cannot be read without running code.
         CorruptCheckpointError: the source fails its checksums or does not hold what its
             metadata says (nothing is published).
         FileNotFoundError: ``src`` or ``config`` does not exist.
@@ -124,25 +125,25 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
     shards = split(found.tensors, limit)
     names = shard_names(len(shards))
     storage = storage_for(folder)
-    _check_folder(storage, folder, found.files)
+    writes = names + ([INDEX] if len(names) > 1 else []) + ([CONFIG] if config_bytes is not None else [])
+    _check_folder(storage, folder, found.files, writes)
     storage.make_folders(folder)
-    sinks: list[Sink] = []
+    sealed: list[tuple[str, Sink]] = []  # (name, the new file): shards, index, config.json
     total = sum(t.nbytes for t in found.tensors)
     with interrupts_deferred(), progress_bar(progress, total, f"export {posixpath.basename(folder)}") as bar:
         try:
             for shard, name in zip(shards, names, strict=True):
-                sinks.append(storage.create(storage.join(folder, name)))
-                _write_shard(sinks[-1], shard, cfg, bar)
-            raise_if_interrupted()  # until here, OUT is as it was
-            _remove_earlier(storage, folder, names)
-            if config_bytes is not None:
-                storage.write_small(storage.join(folder, CONFIG), config_bytes)
-            for sink in sinks:
-                sink.publish()
+                sealed.append((name, storage.create(storage.join(folder, name))))
+                _write_shard(sealed[-1][1], shard, cfg, bar)
+                sealed[-1][1].seal()  # its descriptors closed now: an export holds one shard's, however many
             if len(names) > 1:
-                storage.write_small(storage.join(folder, INDEX), index_json(shards, names))
+                _write_small(storage, folder, INDEX, index_json(shards, names), sealed)
+            if config_bytes is not None:
+                _write_small(storage, folder, CONFIG, config_bytes, sealed)
+            raise_if_interrupted()  # until here, OUT is as it was
+            _publish(storage, folder, sealed)
         finally:
-            for sink in sinks:
+            for _, sink in sealed:
                 sink.abandon()  # those not published (a no-op after publish)
     files = ([CONFIG] if config_bytes is not None else []) + names + ([INDEX] if len(names) > 1 else [])
     return HFExport(folder, files, len(found.tensors), total, dict(found.tied), found.what)
@@ -157,6 +158,12 @@ def _write_shard(sink: Sink, shard: list[OutTensor], cfg: Settings, bar: Any) ->
     sink.write_at(memoryview(header), 0)
     crcs = Copier([by_name[i.name] for i in infos], [i.begin for i in infos], len(header), sink, cfg, bar).run()
     sink.write_at(memoryview(_header.fill(header, crcs)), 0)
+
+
+def _write_small(storage: Storage, folder: str, name: str, data: bytes, sealed: list[tuple[str, Sink]]) -> None:
+    sealed.append((name, storage.create(storage.join(folder, name))))
+    sealed[-1][1].write_at(memoryview(data), 0)
+    sealed[-1][1].seal()
 
 
 def _read_config(path: str) -> bytes:
@@ -176,16 +183,24 @@ def _same_file(a: str, b: str) -> bool:
     return a == b
 
 
-def _check_folder(storage: Storage, folder: str, sources: list[str]) -> None:
-    """OUT is a folder (or nothing yet), and holds no source file under a name the export
-    writes or removes."""
+def _check_folder(storage: Storage, folder: str, sources: list[str], writes: list[str]) -> None:
+    """OUT is a folder (or nothing yet); every name the export ``writes`` is a regular file or
+    nothing (a new file is renamed over the name: a symbolic link there would be followed, and
+    the file outside OUT replaced); and OUT holds no source file under a name the export writes
+    or removes."""
     try:
-        present = [e.name for e in storage.list_folder(folder)]
+        entries = storage.list_folder(folder)
     except FileNotFoundError:
         return
     except NotADirectoryError as e:
         raise ExportError(f"{folder}: is a file; OUT is the folder to write the model into") from e
-    ours = [n for n in present if n in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(n)]
+    for entry in entries:
+        if entry.name in writes and entry.kind != "file":
+            what = "a folder" if entry.kind == "folder" else "not a regular file (a symbolic link, a FIFO or a device)"
+            raise ExportError(f"{storage.join(folder, entry.name)}: is {what}, under a name the export writes; the "
+                              "export puts a new file of its own there and never writes through a link: remove "
+                              "it, or export into another folder")
+    ours = [e.name for e in entries if e.name in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(e.name)]
     for name in ours:
         for source in sources:
             if _same_file(storage.join(folder, name), source):
@@ -193,19 +208,34 @@ def _check_folder(storage: Storage, folder: str, sources: list[str]) -> None:
                                   "export into another folder")
 
 
-def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
-    """Remove an earlier export's weights: its last names first (durably), so that no mix of
-    two exports ever looks complete; then shards this export does not replace, and what dead
-    writers left of them."""
+def _publish(storage: Storage, folder: str, sealed: list[tuple[str, Sink]]) -> None:
+    """Name the new files, every one of them durable already: ``config.json``, the shards, the
+    index last; then remove what is left of the earlier export. Only names change here."""
     present = {e.name for e in storage.list_folder(folder)}
-    markers = [n for n in (INDEX, SAFE_WEIGHTS) if n in present]
-    for name in markers:
-        storage.remove(storage.join(folder, name), missing_ok=True)
-    if markers:
+    for name, sink in sealed:
+        if name == CONFIG:
+            sink.publish()
+    if INDEX in present and any(SHARD.fullmatch(name) and name in present for name, _ in sealed):
+        # a new shard renamed over an earlier one of its name would sit under the earlier index: a mix
+        # that looks complete; without that index the folder is neither export until the new index is in
+        storage.remove(storage.join(folder, INDEX), missing_ok=True)
         storage.sync_folder(folder)
-    for name in sorted(present):
-        if SHARD.fullmatch(name) and name not in names:
-            storage.remove(storage.join(folder, name), missing_ok=True)
+    for name, sink in sealed:
+        if name != CONFIG:
+            sink.publish()
+    _remove_earlier(storage, folder, [name for name, _ in sealed])
+
+
+def _remove_earlier(storage: Storage, folder: str, names: list[str]) -> None:
+    """Remove the earlier export's weights that ``names`` did not replace (its last name
+    first: transformers takes a ``model.safetensors`` before an index) and what dead writers
+    left of them, durably: an earlier name that a crash brought back could be loaded instead."""
+    present = {e.name for e in storage.list_folder(folder)}
+    stale = [n for n in sorted(present) if (n in (INDEX, SAFE_WEIGHTS) or SHARD.fullmatch(n)) and n not in names]
+    for name in sorted(stale, key=lambda n: n not in (INDEX, SAFE_WEIGHTS)):
+        storage.remove(storage.join(folder, name), missing_ok=True)
     for left in storage.unfinished(folder):
         if (left in (SAFE_WEIGHTS, INDEX, CONFIG) or SHARD.fullmatch(left)) and left not in names:
             storage.remove_temps(storage.join(folder, left))
+    if stale:
+        storage.sync_folder(folder)

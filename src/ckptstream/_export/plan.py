@@ -152,6 +152,22 @@ def index_json(shards: list[list[OutTensor]], names: list[str]) -> bytes:
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
+def check_model_state(top: dict[str, bool], source: str) -> None:
+    """Without a prefix, the source must be a model's flat state (``{name: tensor}``, as
+    ``state_dict()`` returns): ``top`` maps its top-level keys to whether each is a tensor.
+    Exporting a training state whole would write its optimizer's moments, its RNG state and
+    the rest as weights of the model, which transformers loads without a word."""
+    others = [k for k, is_tensor in top.items() if not is_tensor]
+    if not others:
+        return
+    keys = ", ".join(repr(k) for k in list(top)[:8]) + (" ..." if len(top) > 8 else "")
+    hint = "model" if "model" in others else others[0]
+    raise ExportError(f"{source}: holds more than a model's flat state of tensors: its top-level entries are {keys}, "
+                      f"and {others[0]!r} is not a tensor, so exporting it all would write optimizer state and other "
+                      f"entries as weights of the model. Pass prefix={hint + '.'!r} (--prefix {hint}.) to export the "
+                      "tensors under it, or prefix='' (--prefix '') to export every tensor on purpose")
+
+
 def strip_prefix(keys: list[str], prefix: str | None, source: str) -> dict[str, str]:
     """{key: exported name} of the keys under ``prefix`` (all, without one), in order."""
     picked = {k: k[len(prefix) :] for k in keys if k.startswith(prefix)} if prefix else {k: k for k in keys}

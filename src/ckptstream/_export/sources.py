@@ -27,7 +27,7 @@ from .._errors import CorruptCheckpointError, ExportError
 from .._manager.directory import DONE, check_step, check_steps, step_of
 from .._settings import Settings
 from .._storage import storage_for
-from .plan import Box, OutTensor, cast_to, strip_prefix
+from .plan import Box, OutTensor, cast_to, check_model_state, strip_prefix
 
 DCP_METADATA = ".metadata"
 
@@ -119,6 +119,10 @@ def _file_tensors(reader: CheckpointReader, prefix: str | None, path: str) -> tu
     if len({e.key for e in entries}) != len(entries):
         raise ExportError(f"{path}: several tensors print as the same dotted name (keys holding dots, or an int "
                           "key and its str twin); exported names must differ")
+    if prefix is None:
+        tree = reader.skeleton()
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+        check_model_state({str(k): isinstance(v, TensorEntry) for k, v in items}, path)
     names = strip_prefix([e.key for e in entries], prefix, path)
     tensors: list[OutTensor] = []
     kept: dict[tuple[str, Any], str] = {}
@@ -160,6 +164,8 @@ def _from_dcp(directory: str, prefix: str | None, cfg: Settings) -> Found:
 
     md = _read_metadata(directory)
     tensors_md = {fqn: m for fqn, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    if prefix is None:
+        check_model_state(_dcp_top_level(md, TensorStorageMetadata), directory)
     names = strip_prefix(list(tensors_md), prefix, directory)
     records = md.storage_data if isinstance(md.storage_data, dict) else {}
     by_chunk = {(i.fqn, _sizes(i.offset, directory, i.fqn)): r for i, r in records.items()
@@ -188,6 +194,19 @@ def _from_dcp(directory: str, prefix: str | None, cfg: Settings) -> Found:
         _check_cover(fqn, shape, boxes, directory)
         out.append(OutTensor(name, fqn, dtype, shape, boxes, dtype))
     return Found(out, {}, f"DCP checkpoint {directory}", sorted(files.seen | {storage.join(directory, DCP_METADATA)}))
+
+
+def _dcp_top_level(md: Any, tensor_type: type) -> dict[str, bool]:
+    """The saved state's top-level keys -> whether each is a tensor, from the key paths that
+    DCP's planner records for the names it flattened (a name without one is its own key)."""
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    top: dict[str, bool] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        path = paths.get(fqn)
+        path = tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
+        key = str(path[0])
+        top[key] = top.get(key, True) and len(path) == 1 and isinstance(m, tensor_type)
+    return top
 
 
 def _read_metadata(directory: str) -> Any:
@@ -259,8 +278,8 @@ def _check_cover(fqn: str, shape: tuple[int, ...], boxes: list[Box], directory: 
     for box in boxes:
         if len(box.origin) != len(shape) or len(box.sizes) != len(shape) or any(
                 o + n > s for o, n, s in zip(box.origin, box.sizes, shape, strict=True)):
-            raise CorruptCheckpointError(f"{box.what}: a box of {list(box.sizes)} does not fit the tensor's shape "
-                                         f"{list(shape)}; the metadata is damaged")
+            raise CorruptCheckpointError(f"{box.what}: a box of {list(box.sizes)} at {list(box.origin)} does not fit "
+                                         f"the tensor's shape {list(shape)}; the metadata is damaged")
     covered, numel = sum(b.numel for b in boxes), math.prod(shape)
     if covered != numel:
         raise CorruptCheckpointError(f"{directory}: the chunks of {fqn!r} hold {covered} elements, the tensor "

@@ -111,6 +111,13 @@ class Sink(Target):
         """Drop what was written (the old object, if any, stays as it was) and close; never
         raises. Nothing happens after ``publish``."""
 
+    def seal(self) -> None:
+        """End the writes: make the written bytes durable and release what the sink holds
+        (descriptors), without publishing them; ``publish`` then only names them, and
+        ``abandon`` still drops them. For a writer of many objects that are published together
+        at the end. A no-op where unpublished bytes hold nothing (an upload's parts) and for
+        sinks whose ``publish`` does it all."""
+
     def __enter__(self: S) -> S:
         return self
 

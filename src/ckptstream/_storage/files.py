@@ -108,14 +108,15 @@ class FileSink(_Descriptor, Sink):
 class AtomicSink(FileSink):
     """A new temp file beside the file ``path`` names (see ``publish``). ``publish`` gives it
     the old file's mode and owner, fsyncs it, renames it over the old file and fsyncs the
-    directory; ``abandon`` (or a failed step) removes it and leaves the old file untouched.
+    directory (``seal`` takes the first steps early); ``abandon`` (or a failed step) removes it
+    and leaves the old file untouched.
     (When the directory's fsync fails, the rename has happened: the new file is in place,
     complete, and the error says that a crash could still undo the rename.)"""
 
     def __init__(self, path: str) -> None:
         target, self._old = publish.target_of(path)
         self.target, self._directory = target, os.path.dirname(target)
-        self._state: Literal["open", "published", "abandoned"] = "open"
+        self._state: Literal["open", "sealed", "published", "abandoned"] = "open"
         publish.remove_stale_temps(target)
         self._dir_fd: int | None = fileio.open_dir(self._directory)  # before any byte: the last step needs it
         try:
@@ -139,18 +140,38 @@ class AtomicSink(FileSink):
             self._close_dir()
             raise
 
+    def seal(self) -> None:
+        """Give the temp the old file's mode and owner, fsync it and close its descriptors and
+        the directory's: ``publish`` then renames it and fsyncs the directory."""
+        if self._state != "open":
+            return
+        try:
+            self._make_durable()
+        except BaseException:
+            self.abandon()
+            raise
+        self._state = "sealed"
+        self._close_dir()
+
+    def _make_durable(self) -> None:
+        if self._old is not None:
+            publish.keep_owner_and_mode(self.fd, self._old)
+        fileio.fsync(self.fd, self.path)
+        self.close()
+        self.fd = -1  # a stray write after this fails (EBADF) instead of landing in a file that reused the number
+
     def publish(self) -> None:
         if self._state == "published":
             return
         if self._state == "abandoned":
             raise ValueError(f"{self.target}: the new file was abandoned; it cannot be published")
-        self._state = "published"
+        sealed, self._state = self._state == "sealed", "published"
         try:
             try:
-                if self._old is not None:
-                    publish.keep_owner_and_mode(self.fd, self._old)
-                fileio.fsync(self.fd, self.path)
-                self.close()
+                if sealed:  # the directory is opened before the rename, so that its fsync cannot fail to open
+                    self._dir_fd = fileio.open_dir(self._directory)
+                else:
+                    self._make_durable()
                 try:
                     os.replace(self.path, self.target)
                 except OSError as e:
@@ -165,7 +186,7 @@ class AtomicSink(FileSink):
             self._close_dir()
 
     def abandon(self) -> None:
-        if self._state != "open":
+        if self._state not in ("open", "sealed"):
             return
         self._state = "abandoned"
         try:

@@ -11,8 +11,8 @@ import ckptstream
 HELP = "write a checkpoint's model as a Hugging Face folder (safetensors shards and index) that from_pretrained loads"
 
 EPILOG = ("Tied tensors (the same tensor under two names) are written once, as transformers writes them. The "
-          "files stream through ckptstream's staging buffers; an earlier export in OUT stays whole until the new "
-          "one is complete, and the index (or the single model.safetensors) is written last. Exit status: 0 "
+          "files stream through ckptstream's staging buffers; nothing in OUT changes until every new file is durable, "
+          "and the index (or the single model.safetensors) is renamed in last. Exit status: 0 "
           "written; 1 the source fails its checksums or does not hold what its metadata says; 2 bad arguments or "
           "input.")
 
@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "DCP checkpoint's folder (StreamWriter or FileSystemWriter)")
     add("out", help="the folder to write (created if missing; other files in it stay)")
     add("--prefix", help="export only the tensors under this prefix, without it (e.g. 'model.' for "
-                         "{'model': ..., 'optim': ...})")
+                         "{'model': ..., 'optim': ...}); without --prefix the source must be a model's flat "
+                         "state_dict, and --prefix '' exports every tensor")
     add("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
         help=f"bytes per shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
     add("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors (integers and bools stay)")
