@@ -84,7 +84,13 @@ def test_quick_run_reports_every_system(quick: tuple[Path, subprocess.CompletedP
     assert data["targets_set_for"] is None
     assert data["ckptstream_settings"] == _settings_now()
     for kind in ("write", "read", "hot"):
-        assert data["ceilings"][kind]["gbps"] > 0
+        ceiling = data["ceilings"][kind]
+        assert ceiling["gbps"] == max(ceiling["by_probe"].values()) > 0
+        assert ceiling["by_probe"][ceiling["how"]] == ceiling["gbps"]  # the mechanism that reached it
+    # --quick: one thread; the cold read tries O_DIRECT and one readahead range
+    assert set(data["ceilings"]["read"]["by_probe"]) == {"direct 1x1MiB", "ranges 1x1MiB"}
+    assert data["ceilings"]["memory"]["gbps"] > 0
+    assert f"({data['ceilings']['read']['how']})" in proc.stdout
     assert set(data["speedups"]) == {"torch", "torch mmap", "safetensors", "dcp"}
     assert data["cold"]["label"] in ("cold", "warm")
     assert data["cold"]["method"] in ("drop_caches", "fadvise", "none")

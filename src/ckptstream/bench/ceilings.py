@@ -1,20 +1,23 @@
-"""What the hardware allows for the same byte count: raw sequential write (O_DIRECT + fsync) and
-cold raw read (O_DIRECT) from page-aligned host memory, a hot page-cache read, and on a GPU the
-pinned device-to-host and host-to-device copy rates. No serialisation, no device copies.
+"""What the hardware allows for the same byte count, each the best of a sweep of mechanisms
+(``probes``): raw sequential writes + fsync and cold raw reads, with O_DIRECT or through the page
+cache, blocks taken in turn or one contiguous range per thread with readahead, 1 to 64 threads,
+1 to 64 MiB; hot page-cache reads; host memory's copy rate; on a GPU the pinned device-to-host
+and host-to-device copy rates. No serialisation, no device copies.
 
-``run_ceilings`` is the worker's job that measures them all, per thread count.
+``run_ceilings`` is the worker's job that measures them all.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -66,24 +69,33 @@ def _blocks(nbytes: int, block: int) -> list[tuple[int, int]]:
     return out
 
 
-def _parallel(threads: int, blocks: list[tuple[int, int]], work: Callable[[int, tuple[int, int]], None]) -> None:
-    """Thread t does blocks t, t+T, t+2T, ...: together the threads sweep the file front to back.
-    On an error or Ctrl-C the threads stop after their current block (their buffers stay in use
-    until then)."""
+def _parallel(per_thread: list[list[tuple[int, int]]], work: Callable[[int, tuple[int, int]], None]) -> None:
+    """Thread t does the blocks ``per_thread[t]`` in order. On an error or Ctrl-C the threads
+    stop after their current block (their buffers stay in use until then)."""
     stop = threading.Event()
 
     def run(t: int) -> None:
-        for blk in blocks[t::threads]:
+        for blk in per_thread[t]:
             if stop.is_set():
                 return
             work(t, blk)
 
-    with concurrent.futures.ThreadPoolExecutor(threads, "bench-raw") as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(per_thread), "bench-raw") as pool:
         try:
-            for f in [pool.submit(run, t) for t in range(threads)]:
+            for f in [pool.submit(run, t) for t in range(len(per_thread))]:
                 f.result()
         finally:
             stop.set()
+
+
+def _schedule(nbytes: int, probe: Probe, block: int) -> list[list[tuple[int, int]]]:
+    """Per thread, its blocks: one contiguous range each ("ranges"), or blocks t, t+T, t+2T, ...
+    (together the threads sweep the file front to back)."""
+    blocks, threads = _blocks(nbytes, block), probe.threads
+    if probe.how == "ranges":
+        per = -(-len(blocks) // threads)
+        return [blocks[t * per : (t + 1) * per] for t in range(threads)]
+    return [blocks[t::threads] for t in range(threads)]
 
 
 def _close(*maps: mmap.mmap) -> None:
@@ -105,11 +117,60 @@ def _ring(size: int) -> mmap.mmap:
     return _rings[size]
 
 
-def raw_write(path: str, nbytes: int, threads: int, block: int) -> tuple[float, bool]:
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One way to move the bytes: ``how`` is "direct" (O_DIRECT, the threads take the blocks in
+    turn), "buffered" (the same through the page cache) or "ranges" (buffered, each thread reads
+    one contiguous range front to back in ``block`` reads, readahead advised: deep sequential
+    streams, as the fastest loaders read)."""
+
+    how: str
+    threads: int
+    block: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.how} {self.threads}x{format_mib(self.block)}"
+
+
+def format_mib(nbytes: int) -> str:
+    return f"{nbytes // MiB}MiB" if nbytes >= MiB else f"{nbytes // 1024}KiB"
+
+
+def disk_blocks(threads: int) -> tuple[int, ...]:
+    """Block sizes tried with ``threads`` threads: a few deep requests or many shallow ones."""
+    if threads <= 1:
+        return (64 * MiB,)
+    if threads <= 4:
+        return (64 * MiB, 8 * MiB)
+    if threads <= 16:
+        return (8 * MiB, 2 * MiB)
+    return (MiB,)
+
+
+def probes(kind: str, threads: Sequence[int], hot_threads: Sequence[int], nbytes: int) -> list[Probe]:
+    """The sweep of one ceiling ("write", "read" cold, "hot"). Blocks shrink to fit a small
+    state (``block_for``), and a probe that would leave a thread without a block is left out."""
+    if kind == "hot":
+        wanted = [(how, t, b) for t in hot_threads for how, b in (("buffered", 8 * MiB), ("ranges", 2 * MiB))]
+    else:
+        wanted = [("direct", t, b) for t in threads for b in disk_blocks(t)]
+        extra = ("buffered", 16 * MiB) if kind == "write" else ("ranges", 2 * MiB)
+        wanted += [(extra[0], t, extra[1]) for t in threads if t > 1 or len(threads) == 1]
+    out: list[Probe] = []
+    for how, t, b in wanted:
+        probe = Probe(how, t, min(b, block_for(nbytes)))
+        if probe not in out and (t * probe.block <= nbytes or not out):
+            out.append(probe)
+    return out
+
+
+def raw_write(path: str, nbytes: int, probe: Probe) -> tuple[float, bool]:
     """Seconds to write ``nbytes`` of random bytes and fsync; and whether O_DIRECT was used."""
+    block = probe.block
     ring_size = max(block, min(RING, nbytes) // block * block)
     view = memoryview(_ring(ring_size))
-    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct=True)
+    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct=probe.how == "direct")
 
     def work(_: int, blk: tuple[int, int]) -> None:
         off, length = blk
@@ -120,7 +181,7 @@ def raw_write(path: str, nbytes: int, threads: int, block: int) -> tuple[float, 
 
     try:
         start = time.perf_counter()
-        _parallel(threads, _blocks(nbytes, block), work)
+        _parallel(_schedule(nbytes, probe, block), work)
         os.fsync(fd)
         return time.perf_counter() - start, direct
     finally:
@@ -129,10 +190,13 @@ def raw_write(path: str, nbytes: int, threads: int, block: int) -> tuple[float, 
             view.release()
 
 
-def raw_read(path: str, nbytes: int, threads: int, block: int, *, direct: bool) -> float:
+def raw_read(path: str, nbytes: int, probe: Probe) -> float:
     """Seconds to read ``nbytes`` of ``path`` into per-thread page-aligned buffers."""
-    fd, _ = _open(path, os.O_RDONLY, direct=direct)
-    buffers = [_aligned(block) for _ in range(threads)]
+    block = probe.block
+    fd, _ = _open(path, os.O_RDONLY, direct=probe.how == "direct")
+    if probe.how == "ranges" and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buffers = [_aligned(block) for _ in range(probe.threads)]
 
     def work(t: int, blk: tuple[int, int]) -> None:
         off, length = blk
@@ -146,11 +210,26 @@ def raw_read(path: str, nbytes: int, threads: int, block: int, *, direct: bool) 
 
     try:
         start = time.perf_counter()
-        _parallel(threads, _blocks(nbytes, block), work)
+        _parallel(_schedule(nbytes, probe, block), work)
         return time.perf_counter() - start
     finally:
         os.close(fd)
         _close(*buffers)
+
+
+def host_copy_rate(nbytes: int) -> float:
+    """GB/s of a large memory copy in host memory, all cores (what a hot load into a GPU moves
+    through host memory: page cache -> staging buffer, then the device reads the buffer)."""
+    n = max(MiB, min(nbytes, 1 << 30))
+    src = torch.empty(n, dtype=torch.uint8).random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return n / best / 1e9
 
 
 def copy_rates(device: str, nbytes: int, chunk: int = 64 * MiB) -> dict[str, float]:
@@ -174,43 +253,52 @@ def copy_rates(device: str, nbytes: int, chunk: int = 64 * MiB) -> dict[str, flo
     return rates
 
 
+def group_of(kind: str) -> str:
+    """The job's thread counts that a sweep uses (an empty list: that sweep is not run)."""
+    return "hot_threads" if kind == "hot" else "threads"
+
+
 def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
-    """Seconds of each raw write, cold read and hot read per thread count, ``job["repeat"]``
-    times each, on all ranks at once; and the pinned copy rates on a GPU."""
+    """Seconds of each probe of the raw write, cold read and hot read sweeps (``probes``),
+    ``job["repeat"]`` times each, on all ranks at once; host memory's copy rate; and the pinned
+    copy rates on a GPU. The report takes the best probe of each as the ceiling."""
     nbytes, cold = spec_of(job, group).nbytes(), Cold(job["cold"])
-    block = block_for(nbytes)
     os.makedirs(job["dir"], exist_ok=True)
     path = os.path.join(job["dir"], f"raw.rank{group.rank}")
-    threads, hot_threads = job["threads"], job["hot_threads"]
-    out: dict[str, Any] = {"bytes": nbytes, "block": block, "resident": []}
-    for kind in ("write", "read", "hot"):
-        out[kind] = {str(t): [] for t in (hot_threads if kind == "hot" else threads)}
+    sweeps = {kind: probes(kind, job["threads"], job["hot_threads"], nbytes) if job[group_of(kind)] else []
+              for kind in ("write", "read", "hot")}
+    out: dict[str, Any] = {"bytes": nbytes, "block": block_for(nbytes), "resident": []}
+    for kind, sweep in sweeps.items():
+        out[kind] = {p.label: [] for p in sweep}
 
-    def measure(kind: str, t: int, fn: Callable[[], float]) -> None:
+    def measure(kind: str, probe: Probe, fn: Callable[[], float]) -> None:
         group.barrier()
         seconds = fn()
         group.barrier()
-        out[kind][str(t)].append(seconds)
-        say(group, f"ceiling {kind}, {t} thread(s): {short_number(nbytes / seconds / 1e9)} GB/s "
+        out[kind][probe.label].append(seconds)
+        say(group, f"ceiling {kind}, {probe.label}: {short_number(nbytes / seconds / 1e9)} GB/s "
                    f"({short_number(seconds)} s)")
 
-    def write(t: int) -> float:
-        seconds, out["direct"] = raw_write(path, nbytes, t, block)
+    def write(probe: Probe) -> float:
+        seconds, direct = raw_write(path, nbytes, probe)
+        out["direct"] = out.get("direct") or direct  # False where the file system refuses O_DIRECT
         return seconds
+
+    def cold_read(probe: Probe) -> float:
+        cache.evict(cold, [path], lead=group.lead)
+        group.barrier()
+        out["resident"].append(cache.resident_fraction([path]))
+        return raw_read(path, nbytes, probe)
 
     try:
         for _ in range(job["repeat"]):
-            for t in threads:
-                measure("write", t, partial(write, t))
-            for t in threads:
-                cache.evict(cold, [path], lead=group.lead)
-                group.barrier()
-                out["resident"].append(cache.resident_fraction([path]))
-                measure("read", t, partial(raw_read, path, nbytes, t, block, direct=True))
-            if hot_threads:
-                raw_read(path, nbytes, max(hot_threads), block, direct=False)  # fill the cache
-                for t in hot_threads:
-                    measure("hot", t, partial(raw_read, path, nbytes, t, block, direct=False))
+            for kind, fn in (("write", write), ("read", cold_read), ("hot", partial(raw_read, path, nbytes))):
+                if kind == "hot" and sweeps["hot"]:  # fill the cache first
+                    raw_read(path, nbytes, max(sweeps["hot"], key=lambda p: p.threads))
+                for probe in sweeps[kind]:
+                    measure(kind, probe, partial(fn, probe))
+        out["memory"] = host_copy_rate(nbytes)
+        say(group, f"ceiling host memory copy: {out['memory']:.1f} GB/s")
         if group.cuda:
             out.update(copy=copy_rates(group.device, nbytes), gpu=torch.cuda.get_device_name(group.device),
                        gpus=torch.cuda.device_count())

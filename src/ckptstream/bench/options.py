@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="N processes saving and loading at once, one GPU each (gloo on the CPU)")
     add("--cold", choices=[c.value for c in Cold], default="auto",
         help="how loads are made cold (auto: drop_caches as root, else fadvise; none: warm loads)")
-    add("--threads", type=_ints, help="thread counts of the raw disk ceilings (default 1,4,8; 1,4 below 8 cores)")
+    add("--threads", type=_ints,
+        help="thread counts of the raw disk ceilings' sweep (default 1,4,16,64; 1,4 below 8 cores)")
     add("--hot-threads", type=_ints,
         help="thread counts of the page-cache read ceiling (default 1,4,8,16, up to the core count)")
     add("--seed", type=int, default=0, help="seed of the random state")
@@ -143,10 +144,10 @@ class Options:
 
 
 def default_threads() -> list[int]:
-    """1, 4 and 8 threads (a disk is usually saturated by a few, the page cache wants more); on a
-    small machine more threads than cores only add noise and minutes."""
+    """1 to 64 threads (queue depth) for the disk ceilings: a virtual or networked disk may want
+    many requests in flight; on a small machine more threads than a few only add minutes."""
     cores = os.cpu_count() or 1
-    return [1, 4, 8] if cores >= 8 else [1, 4]
+    return [1, 4, 16, 64] if cores >= 8 else [1, 4]
 
 
 def _device(requested: str) -> str:

@@ -160,8 +160,8 @@ def _merge_ceilings(before: list[dict[str, Any]] | None, after: list[dict[str, A
         return after
     for old, new in zip(before, after, strict=True):
         for kind in ("write", "read", "hot"):
-            for threads, seconds in new[kind].items():
-                old[kind].setdefault(threads, []).extend(seconds)
+            for label, seconds in new[kind].items():
+                old[kind].setdefault(label, []).extend(seconds)
         old["resident"].extend(new["resident"])
     return before
 

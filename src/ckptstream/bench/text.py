@@ -38,11 +38,14 @@ def _header(report: dict[str, Any]) -> list[str]:
         out.append(f"ckptstream settings: staging of up to {staging['num_buffers']} x "
                    f"{format_bytes(staging['buffer_size'])} (a transfer allocates the buffers its chunks need), "
                    f"{staging['io_threads']} I/O threads")
-    kinds = (("write", "write O_DIRECT+fsync"), ("read", "cold read O_DIRECT"), ("hot", "hot read page cache"))
-    parts = [f"{name} {short_number(ceil[k]['gbps'])} GB/s ({ceil[k]['threads']} thr)"
-             for k, name in kinds if k in ceil]
+    kinds = (("write", "write+fsync"), ("read", "cold read"), ("hot", "hot read"))
+    parts = [f"{name} {short_number(ceil[k]['gbps'])} GB/s ({ceil[k]['how']})" for k, name in kinds if k in ceil]
+    if ceil.get("memory"):
+        parts.append(f"host memory copy {short_number(ceil['memory']['gbps'])} GB/s")
     if ceil.get("copy"):
         parts.append("pinned D2H {d2h:.1f} / H2D {h2d:.1f} GB/s".format(**ceil["copy"]))
+    if ceil.get("hot_gpu"):
+        parts.append(f"hot load into the GPU {short_number(ceil['hot_gpu']['gbps'])} GB/s ({ceil['hot_gpu']['how']})")
     agg = "aggregate " if ranks > 1 else ""
     return [*out, f"{agg}ceilings: " + "; ".join(parts) if parts else "ceilings: not measured", ""]
 

@@ -1,0 +1,86 @@
+"""The ceilings' sweep: which mechanisms it tries, that each reads or writes every byte once, and
+that the report takes the best of them (and the slower of the hot read and the pinned copy for
+a load into a GPU)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptstream.bench import ceilings, report
+from ckptstream.bench.ceilings import Probe
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("how", ["direct", "buffered", "ranges"])
+@pytest.mark.parametrize(("nbytes", "threads", "block"), [(64 * MiB, 4, 8 * MiB), (9 * MiB + 4096, 3, 2 * MiB),
+                                                          (5 * MiB, 8, MiB), (MiB, 1, 64 * MiB)])
+def test_each_schedule_covers_every_block_once_in_file_order_per_thread(
+        how: str, nbytes: int, threads: int, block: int) -> None:
+    schedule = ceilings._schedule(nbytes, Probe(how, threads, block), block)
+    assert len(schedule) == threads
+    flat = sorted(b for per in schedule for b in per)
+    assert flat == ceilings._blocks(nbytes, block)
+    for per in schedule:
+        assert per == sorted(per)
+        if how == "ranges" and per:  # one contiguous range per thread
+            assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(per))
+
+
+def test_the_sweep_spans_queue_depths_blocks_and_mechanisms() -> None:
+    write = ceilings.probes("write", [1, 4, 16, 64], [16], 8 << 30)
+    read = ceilings.probes("read", [1, 4, 16, 64], [16], 8 << 30)
+    hot = ceilings.probes("hot", [1, 4, 16, 64], [8, 16], 8 << 30)
+    assert {p.how for p in write} == {"direct", "buffered"}
+    assert {p.how for p in read} == {"direct", "ranges"}
+    assert {p.how for p in hot} == {"buffered", "ranges"}
+    assert {p.threads for p in read} == {1, 4, 16, 64}
+    assert {p.block for p in read if p.how == "direct"} == {64 * MiB, 8 * MiB, 2 * MiB, MiB}
+    for sweep in (write, read, hot):
+        assert len({p.label for p in sweep}) == len(sweep)  # a label names one probe of its sweep
+    small = ceilings.probes("read", [1, 4, 16, 64], [16], 4 * MiB)
+    assert small
+    assert all(p.threads * p.block <= 4 * MiB and p.block <= ceilings.block_for(4 * MiB) for p in small)
+
+
+@pytest.mark.parametrize("how", ["direct", "buffered", "ranges"])
+def test_each_mechanism_reads_and_writes_the_whole_file(tmp_path: Path, how: str) -> None:
+    path = str(tmp_path / "raw")
+    nbytes = 6 * MiB + 8192
+    seconds, _ = ceilings.raw_write(path, nbytes, Probe("buffered" if how == "ranges" else how, 3, 2 * MiB))
+    assert seconds > 0
+    assert os.path.getsize(path) == nbytes
+    with open(path, "rb") as f:
+        data = f.read()
+    assert len(set(data[: 1 << 16])) > 200  # random bytes, not a hole
+    assert ceilings.raw_read(path, nbytes, Probe(how, 3, MiB)) > 0
+
+
+def _result(write: dict[str, float], hot: dict[str, float], h2d: float | None) -> dict:
+    out = {"bytes": 10**9, "block": 64 * MiB, "resident": [0.0], "memory": 30.0,
+           "write": {k: [1 / v] for k, v in write.items()}, "read": {"direct 4x64MiB": [1.0]},
+           "hot": {k: [1 / v] for k, v in hot.items()}}
+    if h2d is not None:
+        out.update(copy={"d2h": h2d, "h2d": h2d}, gpu="a GPU", gpus=1)
+    return out
+
+
+def test_the_report_takes_the_best_probe_and_says_which() -> None:
+    figures = report.ceiling_figures([_result({"direct 1x64MiB": 2.0, "direct 16x8MiB": 2.5, "buffered 4x16MiB": 0.8},
+                                              {"buffered 8x8MiB": 30.0, "ranges 16x2MiB": 60.0}, None)])
+    assert figures["write"]["how"] == "direct 16x8MiB"
+    assert figures["write"]["gbps"] == pytest.approx(2.5)
+    assert figures["hot"]["how"] == "ranges 16x2MiB"
+    assert figures["memory"] == {"gbps": 30.0}
+    assert "hot_gpu" not in figures  # no GPU
+
+
+@pytest.mark.parametrize(("h2d", "how"), [(50.0, "pinned H2D"), (70.0, "ranges 16x2MiB")])
+def test_a_hot_load_into_a_gpu_is_held_to_the_slower_of_the_page_cache_and_the_copy(h2d: float, how: str) -> None:
+    figures = report.ceiling_figures([_result({"direct 1x64MiB": 2.0}, {"ranges 16x2MiB": 60.0}, h2d)])
+    assert figures["hot_gpu"]["how"] == how
+    assert figures["hot_gpu"]["gbps"] == pytest.approx(min(h2d, 60.0))
