@@ -30,13 +30,15 @@ STALE_AFTER = datetime.timedelta(hours=24)
 # first read (the header of most checkpoints), so that it needs no request of its own
 FIRST = 1 << 20
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
+_LIST_PAGE = 1000  # keys per ListObjectsV2 page and uploads per ListMultipartUploads page (S3's most)
 
 
 class S3Source(Source):
     """An object opened for reading. Opening is one ranged GET of the object's first bytes,
     which also gives its size and ETag: a reader's first read (the header) is then served from
-    them, without a request of its own. Every later read asks for that version (If-Match), so an
-    object replaced meanwhile fails the read instead of mixing two versions."""
+    them, without a request of its own. Every later read asks for that version (If-Match) and
+    checks the answer's ETag, so an object replaced meanwhile fails the read instead of mixing
+    two versions, also where the store ignores If-Match."""
 
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
@@ -124,10 +126,7 @@ class S3Source(Source):
                 kwargs["IfMatch"] = self._etag
             try:
                 response = self._client.get_object(**kwargs)
-                if response["ContentLength"] != hi - lo:  # a server that ignored the range sent it all
-                    raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
-                                           f"bytes, not {hi - lo}; it does not serve byte ranges")
-                body = response["Body"]
+                body = self._check_answer(response, what, hi - lo)
                 readinto, done = _reader(body)
                 try:
                     while got < want and (n := readinto(views[at][into:])):
@@ -153,6 +152,19 @@ class S3Source(Source):
             if failures >= s3client.DEFAULT_ATTEMPTS:
                 raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause
+
+    def _check_answer(self, response: dict[str, Any], what: str, length: int) -> Any:
+        """The body of a ranged GET's answer, once it is of the opened version and of the range."""
+        if self._etag is not None and response.get("ETag") not in (None, self._etag):
+            response["Body"].close()  # a store that ignores If-Match serves the new version: its ETag tells
+            raise ObjectStoreError(self.name, f"the object was replaced while it was read (ETag "
+                                   f"{response.get('ETag')}, opened as {self._etag}); open it again",
+                                   "PreconditionFailed")
+        if response["ContentLength"] != length:  # a server that ignored the range sent it all
+            response["Body"].close()
+            raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
+                                   f"bytes, not {length}; it does not serve byte ranges")
+        return response["Body"]
 
     def close(self) -> None:
         self._first = b""
@@ -258,6 +270,7 @@ class S3Storage(Storage):
         for upload in self._uploads(url.child(prefix), exact=False):
             with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                s3journal.forget(url.bucket, upload["Key"], upload["UploadId"])
 
     def remove_folder(self, folder: str) -> None:
         """Nothing to remove (a prefix is no object), once nothing lies under it."""
@@ -273,7 +286,8 @@ class S3Storage(Storage):
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         """Abort the incomplete uploads of the key: with ``stale_only``, those whose writers were on
         this host and are gone (the journal), or untouched for STALE_AFTER; this process's
-        uploads in flight are never touched. Returns the upload ids aborted; never raises."""
+        uploads in flight are never touched. The notes of gone writers whose uploads are no
+        longer listed go too. Returns the upload ids aborted; never raises."""
         try:
             url = self._object(path)
             client = s3client.client()
@@ -293,6 +307,10 @@ class S3Storage(Storage):
                 with contextlib.suppress(Exception):
                     client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
                     removed.append(upload_id)
+                s3journal.forget(url.bucket, url.key, upload_id)
+            # notes of gone writers whose uploads are gone too (aborted by another host, a
+            # lifecycle rule, or a folder's removal): nothing is left for them to tell
+            for upload_id in dead - {u["UploadId"] for u in uploads}:
                 s3journal.forget(url.bucket, url.key, upload_id)
             return removed
         except Exception:
@@ -353,22 +371,25 @@ class S3Storage(Storage):
         return url
 
     def _has_children(self, url: S3Url) -> bool:
-        page = next(self._pages(url, "listing the folder", Prefix=_prefix(url.key), MaxKeys=1), {})
+        page = next(self._pages(url, "listing the folder", page_size=1, Prefix=_prefix(url.key)), {})
         return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
 
     @staticmethod
-    def _pages(url: S3Url, what: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    def _pages(url: S3Url, what: str, *, page_size: int | None = None, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """The listing's pages, each of ``_LIST_PAGE`` keys at most; with ``page_size``, only the
+        first page, of that many."""
         client = s3client.client()
         token: str | None = None
         while True:
-            args = dict(kwargs, Bucket=url.bucket, **({"ContinuationToken": token} if token else {}))
+            args = dict(kwargs, Bucket=url.bucket, MaxKeys=page_size or _LIST_PAGE,
+                        **({"ContinuationToken": token} if token else {}))
             try:
                 page: dict[str, Any] = client.list_objects_v2(**args)
             except Exception as e:
                 raise s3client.error(e, url, what) from e
             yield page
             token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token or "MaxKeys" in kwargs:
+            if not page.get("IsTruncated") or not token or page_size:
                 return
 
     @staticmethod
@@ -378,7 +399,8 @@ class S3Storage(Storage):
         markers: dict[str, str] = {}
         while True:
             try:
-                page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, **markers)
+                page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, MaxUploads=_LIST_PAGE,
+                                                     **markers)
             except Exception as e:
                 typed = s3client.error(e, url, "listing incomplete uploads")
                 if getattr(typed, "code", None) == "NoSuchUpload":
