@@ -18,7 +18,7 @@ from typing import Any
 
 from .._errors import BucketNotFoundError, ConnectionLostError, ObjectNotFoundError, ObjectStoreError
 from .._settings import DirectIO
-from . import s3client, s3journal
+from . import s3client, s3deadline, s3journal
 from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
 from .s3upload import MultipartSink
@@ -43,10 +43,12 @@ class S3Source(Source):
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
         self._client = s3client.client()
+        self._limits = s3deadline.limits()  # the caller's: reads come from the transfer's threads
         self._first = b""  # the object's first bytes, until a read has used them up
-        self._size, self._etag = self._open()
+        with s3deadline.Deadline(url, "opening the object", FIRST, self._limits) as deadline:
+            self._size, self._etag = self._open(deadline)
 
-    def _open(self) -> tuple[int, str | None]:
+    def _open(self, deadline: s3deadline.Deadline) -> tuple[int, str | None]:
         """The size and ETag, keeping the first bytes where they come whole; an empty object
         (which has no byte range to ask for) is looked at with a HEAD instead."""
         what = "opening the object"
@@ -73,6 +75,8 @@ class S3Source(Source):
             pass  # a body broken midway: the reads ask again
         finally:
             done(got == length)
+        if got < len(first):
+            deadline.check()  # unless it stalled until the deadline: then the store is not answering
         if got == length <= FIRST:
             self._first = bytes(first)
         return size, response.get("ETag") or None
@@ -116,9 +120,15 @@ class S3Source(Source):
     def _get(self, views: list[memoryview], offset: int, want: int) -> None:
         """Fill ``views`` (``want`` bytes in all) from ``offset``; a connection that breaks while
         the body streams is asked again for the rest (botocore retries only the request itself),
-        a bounded number of times."""
+        a bounded number of times, all within one deadline."""
+        with s3deadline.Deadline(self.url, f"reading bytes {offset}..{offset + want}", want, self._limits) as deadline:
+            self._get_within(deadline, views, offset, want)
+
+    def _get_within(self, deadline: s3deadline.Deadline, views: list[memoryview], offset: int, want: int) -> None:
         got, failures, at, into = 0, 0, 0, 0  # bytes done; the view being filled, and how far
         while got < want:
+            if failures:
+                deadline.check()  # a connection shut at the deadline is not asked again
             lo, hi = offset + got, offset + want
             what = f"reading bytes {lo}..{hi}"
             kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key, "Range": f"bytes={lo}-{hi - 1}"}
@@ -245,10 +255,7 @@ class S3Storage(Storage):
         client = s3client.client()
         if not missing_ok:
             _head(client, url, "looking at the object to remove")  # S3 deletes a missing key without a word
-        try:
-            client.delete_object(Bucket=url.bucket, Key=url.key)
-        except Exception as e:
-            raise s3client.error(e, url, "removing the object") from e
+        s3client.request(url, "removing the object", client.delete_object, Bucket=url.bucket, Key=url.key)
 
     def remove_tree(self, folder: str) -> None:
         """Every object under the prefix, and every upload still open under it."""
@@ -259,17 +266,17 @@ class S3Storage(Storage):
                 for o in page.get("Contents", ())]
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
-            try:
-                answer = client.delete_objects(Bucket=url.bucket, Delete={"Objects": batch, "Quiet": True})
-            except Exception as e:
-                raise s3client.error(e, url, f"removing {len(batch)} objects") from e
+            answer = s3client.request(url, f"removing {len(batch)} objects", client.delete_objects, Bucket=url.bucket,
+                                      Delete={"Objects": batch, "Quiet": True})
             if answer.get("Errors"):
                 first = answer["Errors"][0]
                 raise ObjectStoreError(str(url.child(first.get("Key", prefix))), f"removing the folder failed for "
                                        f"{len(answer['Errors'])} objects ({first.get('Code')}: {first.get('Message')})")
         for upload in self._uploads(url.child(prefix), exact=False):
             with contextlib.suppress(Exception):
-                client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                s3client.request(url.child(upload["Key"]), "aborting an incomplete upload",
+                                 client.abort_multipart_upload, Bucket=url.bucket, Key=upload["Key"],
+                                 UploadId=upload["UploadId"])
                 s3journal.forget(url.bucket, upload["Key"], upload["UploadId"])
 
     def remove_folder(self, folder: str) -> None:
@@ -305,7 +312,8 @@ class S3Storage(Storage):
                 if stale_only and upload_id not in dead and now - self._touched(client, url, upload) < STALE_AFTER:
                     continue
                 with contextlib.suppress(Exception):
-                    client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
+                    s3client.request(url, "aborting an incomplete upload", client.abort_multipart_upload,
+                                     Bucket=url.bucket, Key=url.key, UploadId=upload_id)
                     removed.append(upload_id)
                 s3journal.forget(url.bucket, url.key, upload_id)
             # notes of gone writers whose uploads are gone too (aborted by another host, a
@@ -336,11 +344,13 @@ class S3Storage(Storage):
 
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
-        client = s3client.client()
-        try:
-            response = client.get_object(Bucket=url.bucket, Key=url.key)
-        except Exception as e:
-            raise s3client.error(e, url, "reading the object") from e
+        with s3deadline.Deadline(url, "reading the object", limit):
+            return self._read_small(url, limit, path)
+
+    @staticmethod
+    def _read_small(url: S3Url, limit: int, path: str) -> bytes:
+        response = s3client.request(url, "reading the object", s3client.client().get_object, Bucket=url.bucket,
+                                    Key=url.key)
         body = response["Body"]
         try:
             if response["ContentLength"] > limit:
@@ -383,10 +393,7 @@ class S3Storage(Storage):
         while True:
             args = dict(kwargs, Bucket=url.bucket, MaxKeys=page_size or _LIST_PAGE,
                         **({"ContinuationToken": token} if token else {}))
-            try:
-                page: dict[str, Any] = client.list_objects_v2(**args)
-            except Exception as e:
-                raise s3client.error(e, url, what) from e
+            page: dict[str, Any] = s3client.request(url, what, client.list_objects_v2, **args)
             yield page
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token or page_size:
@@ -396,16 +403,15 @@ class S3Storage(Storage):
     def _uploads(url: S3Url, *, exact: bool) -> Iterator[dict[str, Any]]:
         """The incomplete uploads of the key (``exact``), or of every key under the prefix."""
         client = s3client.client()
-        markers: dict[str, str] = {}
+        markers: dict[str, Any] = {}
         while True:
             try:
-                page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, MaxUploads=_LIST_PAGE,
-                                                     **markers)
-            except Exception as e:
-                typed = s3client.error(e, url, "listing incomplete uploads")
-                if getattr(typed, "code", None) == "NoSuchUpload":
+                page = s3client.request(url, "listing incomplete uploads", client.list_multipart_uploads,
+                                        Bucket=url.bucket, Prefix=url.key, MaxUploads=_LIST_PAGE, **markers)
+            except ObjectStoreError as e:
+                if e.code == "NoSuchUpload":
                     return  # some servers answer so for a bucket that never had an upload
-                raise typed from e
+                raise
             yield from (u for u in page.get("Uploads", ()) if not exact or u["Key"] == url.key)
             if not page.get("IsTruncated"):
                 return
@@ -416,7 +422,8 @@ class S3Storage(Storage):
         """When the upload last changed: its newest part, or its start."""
         last: datetime.datetime = upload["Initiated"]
         with contextlib.suppress(Exception):
-            parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
+            parts = s3client.request(url, "listing an upload's parts", client.list_parts, Bucket=url.bucket,
+                                     Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
 
@@ -453,22 +460,17 @@ def _prefix(key: str) -> str:
 
 def _head(client: Any, url: S3Url, what: str) -> dict[str, Any]:
     try:
-        head: dict[str, Any] = client.head_object(Bucket=url.bucket, Key=url.key)
+        head: dict[str, Any] = s3client.request(url, what, client.head_object, Bucket=url.bucket, Key=url.key)
         return head
-    except Exception as e:
-        typed = s3client.error(e, url, what)
-        if isinstance(typed, ObjectNotFoundError):
-            check_bucket(client, url)  # HEAD answers a bare 404: a missing bucket is told apart
-        raise typed from e
+    except ObjectNotFoundError:
+        check_bucket(client, url)  # HEAD answers a bare 404: a missing bucket is told apart
+        raise
 
 
 def check_bucket(client: Any, url: S3Url) -> None:
     """Raise the typed error of a bucket that cannot be used (missing, denied, unreachable)."""
     try:
-        client.head_bucket(Bucket=url.bucket)
-    except Exception as e:
-        typed = s3client.error(e, url, "looking at the bucket")
-        if isinstance(typed, ObjectNotFoundError):
-            typed = BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it "
-                                                 "first, or check the URL and AWS_ENDPOINT_URL", "NoSuchBucket")
-        raise typed from e
+        s3client.request(url, "looking at the bucket", client.head_bucket, Bucket=url.bucket)
+    except ObjectNotFoundError as e:
+        raise BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it first, or check "
+                                  "the URL and AWS_ENDPOINT_URL", "NoSuchBucket") from e
