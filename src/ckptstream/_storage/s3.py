@@ -4,7 +4,7 @@ Objects are written as multipart uploads from the staging buffers (``s3upload``)
 ranged GETs, one per chunk, straight into the staging buffers, from as many threads as the
 transfer has. Folders are key prefixes ending in "/": making one is a no-op, and one exists
 while an object lies under it. Every failed request raises a typed error naming the URL
-(``s3client``).
+(``s3client``), and every request ends within its deadline (``s3deadline``).
 """
 
 from __future__ import annotations
