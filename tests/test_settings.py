@@ -109,6 +109,8 @@ def _another_value(default: object) -> tuple[object, str]:
         return other, other.value
     if isinstance(default, int) and not isinstance(default, bool):
         return default + 4096, str(default + 4096)  # a multiple of 4096 away: every direct_io takes it
+    if isinstance(default, float):
+        return default + 1.5, str(default + 1.5)
     raise AssertionError(f"a setting of type {type(default).__name__}: say here how the environment spells one")
 
 

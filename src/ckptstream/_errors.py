@@ -107,6 +107,18 @@ class ObjectReplacedError(ObjectStoreError):
     opening, and raises this when that races a replace too."""
 
 
+class DeadlineExceededError(ConnectionLostError, TimeoutError):
+    """A request to an object store did not end within its deadline (``deadline``, seconds:
+    the settings ``s3_timeout`` plus its bytes at ``s3_min_rate``), retries included;
+    ``operation`` says which."""
+
+    default_errno = errno.ETIMEDOUT
+
+    def __init__(self, url: str, message: str, operation: str, deadline: float) -> None:
+        super().__init__(url, message)
+        self.operation, self.deadline = operation, deadline
+
+
 class StateMismatchWarning(UserWarning):
     """load_into(strict=False) skipped keys; ``missing`` and ``unexpected`` list them."""
 

@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -80,6 +81,13 @@ class Settings:
             page cache already holds (such a load is bound by memory copies, not by the disk),
             up to the number of cores; the same staging memory is split among them. Loads into
             a GPU keep io_threads. Set it to io_threads to turn this off.
+        s3_timeout: seconds an object store (``s3://``) has to connect and to start its answer
+            to a request; also the socket timeout of each attempt.
+        s3_min_rate: the slowest bytes per second a request to an object store may move: each
+            request, retries included (a ranged read with its re-asks), must end within
+            ``s3_timeout + bytes / s3_min_rate`` seconds, else ``DeadlineExceededError``. They
+            are read where an object is opened or created and where the storage is asked
+            (listings, removals), from the settings in force there.
 
     Raises:
         ValueError: a value out of range, naming it.
@@ -94,15 +102,23 @@ class Settings:
     io_threads: int
     direct_io: DirectIO
     hot_io_threads: int
+    s3_timeout: float
+    s3_min_rate: int
 
-    # Defaults from the staging sweep (docs/benchmarks.md).
+    # Defaults from the staging sweep (docs/benchmarks.md); the object store's: a healthy store
+    # starts an answer within a second, and a request of a 16 MiB part at the least rate, 64 s
+    # more, leaves room for 8 such requests sharing a 17 Mbit/s link.
     def __init__(self, buffer_size: int = 16 * MiB, num_buffers: int = 8, io_threads: int = 8,
-                 direct_io: DirectIO | str | bool | None = DirectIO.AUTO, hot_io_threads: int = 16) -> None:
+                 direct_io: DirectIO | str | bool | None = DirectIO.AUTO, hot_io_threads: int = 16,
+                 s3_timeout: float = 30.0, s3_min_rate: int = 256 << 10) -> None:
         for name, value in (("buffer_size", buffer_size), ("num_buffers", num_buffers), ("io_threads", io_threads),
-                            ("hot_io_threads", hot_io_threads)):
+                            ("hot_io_threads", hot_io_threads), ("s3_min_rate", s3_min_rate)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
             object.__setattr__(self, name, value)
+        if not isinstance(s3_timeout, int | float) or isinstance(s3_timeout, bool) or not 0 < s3_timeout < math.inf:
+            raise ValueError(f"s3_timeout must be a number of seconds > 0, got {s3_timeout!r}")
+        object.__setattr__(self, "s3_timeout", float(s3_timeout))
         object.__setattr__(self, "direct_io", DirectIO.parse(direct_io))
         if self.direct_io is DirectIO.ON and self.buffer_size % ALIGN:
             # checked here, before a transfer opens (and maybe truncates) its file
@@ -115,7 +131,11 @@ _ENVIRONMENT = {
     "io_threads": "CKPTSTREAM_IO_THREADS",
     "direct_io": "CKPTSTREAM_DIRECT_IO",
     "hot_io_threads": "CKPTSTREAM_HOT_IO_THREADS",
+    "s3_timeout": "CKPTSTREAM_S3_TIMEOUT",
+    "s3_min_rate": "CKPTSTREAM_S3_MIN_RATE",
 }
+_PARSE: dict[str, Any] = {"direct_io": str, "s3_timeout": float}  # the others: int
+_EXPECTED = {"direct_io": "'auto', 'on' or 'off'", "s3_timeout": "a number of seconds > 0"}
 
 
 def _from_environment() -> Settings:
@@ -130,10 +150,10 @@ def _parse_environment(values: tuple[str | None, ...]) -> Settings:
         if raw is None:
             continue
         try:
-            given[field] = raw if field == "direct_io" else int(raw)
+            given[field] = _PARSE.get(field, int)(raw)
             Settings(**{field: given[field]})
         except ValueError as e:
-            expected = "'auto', 'on' or 'off'" if field == "direct_io" else "an integer >= 1"
+            expected = _EXPECTED.get(field, "an integer >= 1")
             raise ValueError(f"environment variable {variable}={raw!r} is invalid: expected {expected}; "
                              f"fix or unset it") from e
     return Settings(**given)
@@ -155,6 +175,8 @@ class SettingsFields(TypedDict, total=False):
     io_threads: int
     direct_io: DirectIO | str | bool | None
     hot_io_threads: int
+    s3_timeout: float
+    s3_min_rate: int
 
 
 @contextlib.contextmanager

@@ -36,10 +36,10 @@ def replace_after_opening(monkeypatch: pytest.MonkeyPatch, bucket: Bucket, versi
     """After each of the next ``len(versions)`` openings of KEY, the raw client PUTs the next
     version over it; returns the openings' count so far (one item, updated)."""
     opened = [0]
-    original: Callable[[s3.S3Source], tuple[int, str | None]] = s3.S3Source._open
+    original: Callable[[s3.S3Source, Any], tuple[int, str | None]] = s3.S3Source._open
 
-    def opening(source: s3.S3Source) -> tuple[int, str | None]:
-        found = original(source)
+    def opening(source: s3.S3Source, deadline: Any) -> tuple[int, str | None]:
+        found = original(source, deadline)
         if source.url.key == KEY:
             if opened[0] < len(versions):
                 bucket.put(KEY, versions[opened[0]])

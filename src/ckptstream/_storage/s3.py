@@ -4,7 +4,7 @@ Objects are written as multipart uploads from the staging buffers (``s3upload``)
 ranged GETs, one per chunk, straight into the staging buffers, from as many threads as the
 transfer has. Folders are key prefixes ending in "/": making one is a no-op, and one exists
 while an object lies under it. Every failed request raises a typed error naming the URL
-(``s3client``).
+(``s3client``), and every request ends within its deadline (``s3deadline``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .._errors import (
     ObjectStoreError,
 )
 from .._settings import DirectIO
-from . import s3client, s3journal
+from . import s3client, s3deadline, s3journal
 from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
 from .s3record import WriterRecord
@@ -37,21 +37,25 @@ STALE_AFTER = datetime.timedelta(hours=24)
 # first read (the header of most checkpoints), so that it needs no request of its own
 FIRST = 1 << 20
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
+_LIST_PAGE = 1000  # keys per ListObjectsV2 page and uploads per ListMultipartUploads page (S3's most)
 
 
 class S3Source(Source):
     """An object opened for reading. Opening is one ranged GET of the object's first bytes,
     which also gives its size and ETag: a reader's first read (the header) is then served from
-    them, without a request of its own. Every later read asks for that version (If-Match), so an
-    object replaced meanwhile fails the read instead of mixing two versions."""
+    them, without a request of its own. Every later read asks for that version (If-Match) and
+    checks the answer's ETag, so an object replaced meanwhile fails the read instead of mixing
+    two versions, also where the store ignores If-Match."""
 
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
         self._client = s3client.client()
+        self._limits = s3deadline.limits()  # the caller's: reads come from the transfer's threads
         self._first = b""  # the object's first bytes, until a read has used them up
-        self._size, self._etag = self._open()
+        with s3deadline.Deadline(url, "opening the object", FIRST, self._limits) as deadline:
+            self._size, self._etag = self._open(deadline)
 
-    def _open(self) -> tuple[int, str | None]:
+    def _open(self, deadline: s3deadline.Deadline) -> tuple[int, str | None]:
         """The size and ETag, keeping the first bytes where they come whole; an empty object
         (which has no byte range to ask for) is looked at with a HEAD instead."""
         what = "opening the object"
@@ -78,6 +82,8 @@ class S3Source(Source):
             pass  # a body broken midway: the reads ask again
         finally:
             done(got == length)
+        if got < len(first):
+            deadline.check()  # unless it stalled until the deadline: then the store is not answering
         if got == length <= FIRST:
             self._first = bytes(first)
         return size, response.get("ETag") or None
@@ -121,9 +127,15 @@ class S3Source(Source):
     def _get(self, views: list[memoryview], offset: int, want: int) -> None:
         """Fill ``views`` (``want`` bytes in all) from ``offset``; a connection that breaks while
         the body streams is asked again for the rest (botocore retries only the request itself),
-        a bounded number of times."""
+        a bounded number of times, all within one deadline."""
+        with s3deadline.Deadline(self.url, f"reading bytes {offset}..{offset + want}", want, self._limits) as deadline:
+            self._get_within(deadline, views, offset, want)
+
+    def _get_within(self, deadline: s3deadline.Deadline, views: list[memoryview], offset: int, want: int) -> None:
         got, failures, at, into = 0, 0, 0, 0  # bytes done; the view being filled, and how far
         while got < want:
+            if failures:
+                deadline.check()  # a connection shut at the deadline is not asked again
             lo, hi = offset + got, offset + want
             what = f"reading bytes {lo}..{hi}"
             kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Key": self.url.key, "Range": f"bytes={lo}-{hi - 1}"}
@@ -131,11 +143,7 @@ class S3Source(Source):
                 kwargs["IfMatch"] = self._etag
             try:
                 response = self._client.get_object(**kwargs)
-                self._check_version(response, what)
-                if response["ContentLength"] != hi - lo:  # a server that ignored the range sent it all
-                    raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
-                                           f"bytes, not {hi - lo}; it does not serve byte ranges")
-                body = response["Body"]
+                body = self._check_answer(response, what, hi - lo)
                 readinto, done = _reader(body)
                 try:
                     while got < want and (n := readinto(views[at][into:])):
@@ -165,10 +173,11 @@ class S3Source(Source):
                 raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause
 
-    def _check_version(self, response: dict[str, Any], what: str) -> None:
-        """Raise ObjectReplacedError where a GET's answer is of another object than the one opened:
-        a store that ignores If-Match (rclone does) answers with the new object's bytes, which
-        must never reach a tensor or its checksum."""
+    def _check_answer(self, response: dict[str, Any], what: str, length: int) -> Any:
+        """The body of a ranged GET's answer, once it is of the opened object and of the range. A
+        store that ignores If-Match (rclone does) answers with a replaced object's new bytes: its
+        ETag or size tells them apart before they reach a tensor or its checksum
+        (ObjectReplacedError)."""
         etag = response.get("ETag") or None
         whole = response.get("ContentRange", "").rpartition("/")[2]
         size = int(whole) if whole.isdigit() else self._size
@@ -176,7 +185,12 @@ class S3Source(Source):
             response["Body"].close()
             raise ObjectReplacedError(self.name, f"{what}: the object was replaced while it was read (opened: "
                                       f"{self._size} bytes, ETag {self._etag}; now: {size} bytes, ETag {etag}); "
-                                      "load it again", "Replaced")
+                                      "open it again", "PreconditionFailed")
+        if response["ContentLength"] != length:  # a server that ignored the range sent it all
+            response["Body"].close()
+            raise ObjectStoreError(self.name, f"{what}: the store answered {response['ContentLength']} "
+                                   f"bytes, not {length}; it does not serve byte ranges")
+        return response["Body"]
 
     def close(self) -> None:
         self._first = b""
@@ -257,10 +271,7 @@ class S3Storage(Storage):
         client = s3client.client()
         if not missing_ok:
             _head(client, url, "looking at the object to remove")  # S3 deletes a missing key without a word
-        try:
-            client.delete_object(Bucket=url.bucket, Key=url.key)
-        except Exception as e:
-            raise s3client.error(e, url, "removing the object") from e
+        s3client.request(url, "removing the object", client.delete_object, Bucket=url.bucket, Key=url.key)
 
     def remove_tree(self, folder: str) -> None:
         """Every object under the prefix, and every upload still open under it."""
@@ -271,17 +282,18 @@ class S3Storage(Storage):
                 for o in page.get("Contents", ())]
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
-            try:
-                answer = client.delete_objects(Bucket=url.bucket, Delete={"Objects": batch, "Quiet": True})
-            except Exception as e:
-                raise s3client.error(e, url, f"removing {len(batch)} objects") from e
+            answer = s3client.request(url, f"removing {len(batch)} objects", client.delete_objects, Bucket=url.bucket,
+                                      Delete={"Objects": batch, "Quiet": True})
             if answer.get("Errors"):
                 first = answer["Errors"][0]
                 raise ObjectStoreError(str(url.child(first.get("Key", prefix))), f"removing the folder failed for "
                                        f"{len(answer['Errors'])} objects ({first.get('Code')}: {first.get('Message')})")
         for upload in self._uploads(url.child(prefix), exact=False):
             with contextlib.suppress(Exception):
-                client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                s3client.request(url.child(upload["Key"]), "aborting an incomplete upload",
+                                 client.abort_multipart_upload, Bucket=url.bucket, Key=upload["Key"],
+                                 UploadId=upload["UploadId"])
+                s3journal.forget(url.bucket, upload["Key"], upload["UploadId"])
 
     def remove_folder(self, folder: str) -> None:
         """Nothing to remove (a prefix is no object), once nothing lies under it."""
@@ -297,7 +309,8 @@ class S3Storage(Storage):
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         """Abort the incomplete uploads of the key: with ``stale_only``, those whose writers were on
         this host and are gone (the journal), or untouched for STALE_AFTER; this process's
-        uploads in flight are never touched. Returns the upload ids aborted; never raises."""
+        uploads in flight are never touched. The notes of gone writers whose uploads are no
+        longer listed go too. Returns the upload ids aborted; never raises."""
         try:
             url = self._object(path)
             client = s3client.client()
@@ -315,8 +328,13 @@ class S3Storage(Storage):
                 if stale_only and upload_id not in dead and now - self._touched(client, url, upload) < STALE_AFTER:
                     continue
                 with contextlib.suppress(Exception):
-                    client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
+                    s3client.request(url, "aborting an incomplete upload", client.abort_multipart_upload,
+                                     Bucket=url.bucket, Key=url.key, UploadId=upload_id)
                     removed.append(upload_id)
+                s3journal.forget(url.bucket, url.key, upload_id)
+            # notes of gone writers whose uploads are gone too (aborted by another host, a
+            # lifecycle rule, or a folder's removal): nothing is left for them to tell
+            for upload_id in dead - {u["UploadId"] for u in uploads}:
                 s3journal.forget(url.bucket, url.key, upload_id)
             return removed
         except Exception:
@@ -341,11 +359,13 @@ class S3Storage(Storage):
 
     def read_small(self, path: str, limit: int) -> bytes:
         url = self._object(path)
-        client = s3client.client()
-        try:
-            response = client.get_object(Bucket=url.bucket, Key=url.key)
-        except Exception as e:
-            raise s3client.error(e, url, "reading the object") from e
+        with s3deadline.Deadline(url, "reading the object", limit):
+            return self._read_small(url, limit, path)
+
+    @staticmethod
+    def _read_small(url: S3Url, limit: int, path: str) -> bytes:
+        response = s3client.request(url, "reading the object", s3client.client().get_object, Bucket=url.bucket,
+                                    Key=url.key)
         body = response["Body"]
         try:
             if response["ContentLength"] > limit:
@@ -376,37 +396,37 @@ class S3Storage(Storage):
         return url
 
     def _has_children(self, url: S3Url) -> bool:
-        page = next(self._pages(url, "listing the folder", Prefix=_prefix(url.key), MaxKeys=1), {})
+        page = next(self._pages(url, "listing the folder", page_size=1, Prefix=_prefix(url.key)), {})
         return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
 
     @staticmethod
-    def _pages(url: S3Url, what: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    def _pages(url: S3Url, what: str, *, page_size: int | None = None, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """The listing's pages, each of ``_LIST_PAGE`` keys at most; with ``page_size``, only the
+        first page, of that many."""
         client = s3client.client()
         token: str | None = None
         while True:
-            args = dict(kwargs, Bucket=url.bucket, **({"ContinuationToken": token} if token else {}))
-            try:
-                page: dict[str, Any] = client.list_objects_v2(**args)
-            except Exception as e:
-                raise s3client.error(e, url, what) from e
+            args = dict(kwargs, Bucket=url.bucket, MaxKeys=page_size or _LIST_PAGE,
+                        **({"ContinuationToken": token} if token else {}))
+            page: dict[str, Any] = s3client.request(url, what, client.list_objects_v2, **args)
             yield page
             token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token or "MaxKeys" in kwargs:
+            if not page.get("IsTruncated") or not token or page_size:
                 return
 
     @staticmethod
     def _uploads(url: S3Url, *, exact: bool) -> Iterator[dict[str, Any]]:
         """The incomplete uploads of the key (``exact``), or of every key under the prefix."""
         client = s3client.client()
-        markers: dict[str, str] = {}
+        markers: dict[str, Any] = {}
         while True:
             try:
-                page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=url.key, **markers)
-            except Exception as e:
-                typed = s3client.error(e, url, "listing incomplete uploads")
-                if getattr(typed, "code", None) == "NoSuchUpload":
+                page = s3client.request(url, "listing incomplete uploads", client.list_multipart_uploads,
+                                        Bucket=url.bucket, Prefix=url.key, MaxUploads=_LIST_PAGE, **markers)
+            except ObjectStoreError as e:
+                if e.code == "NoSuchUpload":
                     return  # some servers answer so for a bucket that never had an upload
-                raise typed from e
+                raise
             yield from (u for u in page.get("Uploads", ()) if not exact or u["Key"] == url.key)
             if not page.get("IsTruncated"):
                 return
@@ -417,7 +437,8 @@ class S3Storage(Storage):
         """When the upload last changed: its newest part, or its start."""
         last: datetime.datetime = upload["Initiated"]
         with contextlib.suppress(Exception):
-            parts = client.list_parts(Bucket=url.bucket, Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
+            parts = s3client.request(url, "listing an upload's parts", client.list_parts, Bucket=url.bucket,
+                                     Key=url.key, UploadId=upload["UploadId"]).get("Parts", ())
             last = max([last, *(p["LastModified"] for p in parts)])
         return last
 
@@ -447,22 +468,17 @@ def _prefix(key: str) -> str:
 
 def _head(client: Any, url: S3Url, what: str) -> dict[str, Any]:
     try:
-        head: dict[str, Any] = client.head_object(Bucket=url.bucket, Key=url.key)
+        head: dict[str, Any] = s3client.request(url, what, client.head_object, Bucket=url.bucket, Key=url.key)
         return head
-    except Exception as e:
-        typed = s3client.error(e, url, what)
-        if isinstance(typed, ObjectNotFoundError):
-            check_bucket(client, url)  # HEAD answers a bare 404: a missing bucket is told apart
-        raise typed from e
+    except ObjectNotFoundError:
+        check_bucket(client, url)  # HEAD answers a bare 404: a missing bucket is told apart
+        raise
 
 
 def check_bucket(client: Any, url: S3Url) -> None:
     """Raise the typed error of a bucket that cannot be used (missing, denied, unreachable)."""
     try:
-        client.head_bucket(Bucket=url.bucket)
-    except Exception as e:
-        typed = s3client.error(e, url, "looking at the bucket")
-        if isinstance(typed, ObjectNotFoundError):
-            typed = BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it "
-                                                 "first, or check the URL and AWS_ENDPOINT_URL", "NoSuchBucket")
-        raise typed from e
+        s3client.request(url, "looking at the bucket", client.head_bucket, Bucket=url.bucket)
+    except ObjectNotFoundError as e:
+        raise BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it first, or check "
+                                  "the URL and AWS_ENDPOINT_URL", "NoSuchBucket") from e

@@ -25,6 +25,7 @@ from .._errors import (
     ObjectStoreError,
     ThrottledError,
 )
+from . import s3deadline
 
 SCHEME = "s3://"
 # attempts per request where the configuration sets none: throttling and lost connections are
@@ -56,27 +57,37 @@ def parse(url: str) -> S3Url:
 
 
 _lock = threading.Lock()
-_client: Any = None
+_clients: dict[float, Any] = {}
 
 
 def client() -> Any:
-    """The process's S3 client (botocore clients are thread-safe; sessions are not: one is made
-    here, under a lock)."""
-    global _client
+    """The process's S3 client for the ``s3_timeout`` in force, its sockets' timeout (botocore
+    clients are thread-safe; sessions are not: one is made here, under a lock)."""
+    timeout = s3deadline.limits().timeout
     with _lock:
-        if _client is None:
-            _client = _make_client()
-        return _client
+        if timeout not in _clients:
+            _clients[timeout] = _make_client(timeout)
+        return _clients[timeout]
 
 
 def reset_client() -> None:
-    """Forget the client: the next request makes one from the configuration as it is then."""
-    global _client
+    """Forget the clients: the next request makes one from the configuration as it is then."""
     with _lock:
-        _client = None
+        _clients.clear()
 
 
-def _make_client() -> Any:
+def request(url: S3Url, what: str, method: Any, /, *, nbytes: int = 0, limits: s3deadline.Limits | None = None,
+            **kwargs: Any) -> Any:
+    """``method(**kwargs)``, a request of ``nbytes`` bytes, held to its deadline (the settings in
+    force, or ``limits``); its failure typed (``what``: the operation, for the message)."""
+    with s3deadline.Deadline(url, what, nbytes, limits):
+        try:
+            return method(**kwargs)
+        except Exception as e:
+            raise error(e, url, what) from e
+
+
+def _make_client(timeout: float) -> Any:
     import boto3
     from botocore.config import Config
 
@@ -87,6 +98,8 @@ def _make_client() -> Any:
         retries["max_attempts"] = DEFAULT_ATTEMPTS
     options: dict[str, Any] = dict(
         max_pool_connections=POOL_CONNECTIONS,
+        connect_timeout=timeout,
+        read_timeout=timeout,
         retries=retries,
         # a checksum is sent where ckptstream gives one (CRC-32C per part), not computed again;
         # and responses are not checked against whole-object checksums, which some servers
@@ -100,7 +113,22 @@ def _make_client() -> Any:
     chosen = core.get_config_variable("s3") or {}  # a profile's s3 settings: its choice stands
     if "payload_signing_enabled" not in chosen and not signs_payloads(str(made.meta.endpoint_url)):
         made = session.client("s3", region_name=region, config=Config(**options, s3={"payload_signing_enabled": False}))
+    _bound(made)
     return made
+
+
+def _bound(made: Any) -> None:
+    """Hold the client's requests to their operations' deadlines (s3deadline): no attempt or
+    retry past one, and connections the watchdog can shut down. The connection classes go in
+    where botocore keeps them (no public way exists); where that place has moved, a deadline is
+    still kept between attempts and between reads of a body, and a socket read by s3_timeout."""
+    made.meta.events.register_first("before-send.s3", s3deadline.refuse_past_deadline,
+                                    unique_id="ckptstream-deadline-send")
+    made.meta.events.register_first("needs-retry.s3", s3deadline.no_retry_past_deadline,
+                                    unique_id="ckptstream-deadline-retry")
+    classes = getattr(getattr(getattr(made, "_endpoint", None), "http_session", None), "_pool_classes_by_scheme", None)
+    if isinstance(classes, dict):
+        classes.update(s3deadline.pool_classes())  # the pool managers share this dict; pools are made later
 
 
 def signs_payloads(endpoint: str) -> bool:

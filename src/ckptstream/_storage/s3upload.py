@@ -21,7 +21,7 @@ from typing import Any
 from .. import _checksum
 from .._errors import ObjectStoreError
 from .._settings import DirectIO
-from . import s3client, s3journal
+from . import s3client, s3deadline, s3journal
 from .base import Sink, round_up
 from .s3client import S3Url
 
@@ -90,6 +90,7 @@ class MultipartSink(Sink):
     def __init__(self, url: S3Url) -> None:
         self.url, self.name = url, str(url)
         self._client = s3client.client()
+        self._limits = s3deadline.limits()  # the caller's: parts go up from the transfer's threads
         self._endpoint = str(self._client.meta.endpoint_url)
         self._part = DEFAULT_PART
         self._first = self._first_part(DEFAULT_PART)
@@ -166,12 +167,10 @@ class MultipartSink(Sink):
     def _upload_part(self, number: int, data: memoryview, offset: int) -> None:
         upload_id = self._ensure_upload()
         crc = crc32c_b64(data)
-        try:
-            etag = self._client.upload_part(Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id,
-                                            PartNumber=number, Body=ViewBody(data), ContentLength=len(data),
-                                            ChecksumCRC32C=crc)["ETag"]
-        except Exception as e:
-            raise s3client.error(e, self.url, f"uploading part {number} (bytes {offset}..{offset + len(data)})") from e
+        etag = s3client.request(self.url, f"uploading part {number} (bytes {offset}..{offset + len(data)})",
+                                self._client.upload_part, nbytes=len(data), limits=self._limits, Bucket=self.url.bucket,
+                                Key=self.url.key, UploadId=upload_id, PartNumber=number, Body=ViewBody(data),
+                                ContentLength=len(data), ChecksumCRC32C=crc)["ETag"]
         with self._lock:
             self._parts[number] = (offset, len(data), etag, crc)
 
@@ -182,11 +181,13 @@ class MultipartSink(Sink):
                 raise self._start_failed  # once per sink: the store has answered, after its retries
             if self._upload_id is None:
                 try:
-                    upload_id: str = self._client.create_multipart_upload(
-                        Bucket=self.url.bucket, Key=self.url.key, ChecksumAlgorithm="CRC32C")["UploadId"]
+                    upload_id: str = s3client.request(
+                        self.url, "starting a multipart upload", self._client.create_multipart_upload,
+                        limits=self._limits, Bucket=self.url.bucket, Key=self.url.key,
+                        ChecksumAlgorithm="CRC32C")["UploadId"]
                 except Exception as e:
-                    self._start_failed = s3client.error(e, self.url, "starting a multipart upload")
-                    raise self._start_failed from e
+                    self._start_failed = e
+                    raise
                 self._upload_id = upload_id
                 with _live_lock:
                     _live.add(upload_id)
@@ -218,11 +219,9 @@ class MultipartSink(Sink):
     def _put_whole(self) -> None:
         """An object within its head: one PUT."""
         data = memoryview(self._head)[: self._end]
-        try:
-            self._client.put_object(Bucket=self.url.bucket, Key=self.url.key, Body=ViewBody(data),
-                                    ContentLength=len(data), ChecksumCRC32C=crc32c_b64(data))
-        except Exception as e:
-            raise s3client.error(e, self.url, f"writing the object ({len(data)} bytes)") from e
+        s3client.request(self.url, f"writing the object ({len(data)} bytes)", self._client.put_object,
+                         nbytes=len(data), limits=self._limits, Bucket=self.url.bucket, Key=self.url.key,
+                         Body=ViewBody(data), ContentLength=len(data), ChecksumCRC32C=crc32c_b64(data))
 
     def _complete(self, upload_id: str) -> None:
         head = memoryview(self._head)[: min(self._end, self._head_end)]
@@ -232,11 +231,10 @@ class MultipartSink(Sink):
         self._upload_part(1, head, 0)
         parts = [{"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc}
                  for n, (_, _, etag, crc) in sorted(self._parts.items())]
-        try:
-            self._client.complete_multipart_upload(Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id,
-                                                   MultipartUpload={"Parts": parts})
-        except Exception as e:
-            raise s3client.error(e, self.url, f"completing the upload of {len(parts)} parts") from e
+        # the store assembles the object's bytes before it answers: they count in the deadline
+        s3client.request(self.url, f"completing the upload of {len(parts)} parts",
+                         self._client.complete_multipart_upload, nbytes=self._end, limits=self._limits,
+                         Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id, MultipartUpload={"Parts": parts})
         self._forget(upload_id)
 
     def _check_parts(self) -> None:
@@ -263,7 +261,8 @@ class MultipartSink(Sink):
         if upload_id is None:
             return
         try:
-            self._client.abort_multipart_upload(Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id)
+            s3client.request(self.url, "aborting the upload", self._client.abort_multipart_upload, limits=self._limits,
+                             Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id)
         except Exception:
             # unreachable store: the upload stays until a later writer of the key (or the store's
             # own expiry) aborts it; the journal tells it is abandoned
