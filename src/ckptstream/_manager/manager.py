@@ -16,7 +16,8 @@ from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
-from .._errors import StateMismatchError
+from .._engine import control
+from .._errors import StateMismatchError, ThreadStartError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
@@ -207,8 +208,9 @@ class CheckpointManager:
             if self._ranks.collective:  # the other ranks wait for this one's outcome: send it
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,
                                           name=f"ckptstream-manager-{step}")
-                helper.start()
-                self._helpers.append(helper)
+                with contextlib.suppress(ThreadStartError):  # then the other ranks time out on this step
+                    control.start(helper, f"the thread that reports step {step}'s failure to the other ranks")
+                    self._helpers.append(helper)
             raise
         self._last = step
         self._handles = [h for h in self._handles if not h.done()] + [handle]
