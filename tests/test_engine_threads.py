@@ -9,9 +9,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-from tests.helpers import child_env
+import pytest
+import torch
+
+import ckptstream
+from ckptstream._engine.buffers import POOL
+from tests.helpers import child_env, engine_threads
+
+SMALL = ckptstream.Settings(buffer_size=64 << 10, num_buffers=4, io_threads=3)
 
 CHILD = Path(__file__).resolve().parent / "reliability" / "child_thread_limit.py"
 # CASE:K, K the threads that can still start: the engine's first or second I/O thread fails, a
@@ -49,3 +57,43 @@ def test_a_thread_that_cannot_start_raises_thread_start_error(tmp_path: Path) ->
     assert "I/O thread 1 of 3" in reports["save_async:1"]["message"]
     assert "the background save of" in reports["save_async:0"]["message"]
     assert "checksum thread 2 of 2" in reports["load-mapped:0"]["message"]
+
+
+@pytest.mark.parametrize("started", [0, 1])
+def test_a_failed_thread_start_returns_the_staging_on_every_device(
+        device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started: int) -> None:
+    """The same failure in this process, on each device (on a GPU: pinned staging buffers and
+    the side stream): ``Thread.start`` of the engine's I/O thread ``started + 1`` raises as
+    Python does when pthread_create fails; the save and the load raise ThreadStartError, and the
+    pinned buffers are back in the pool with no I/O thread left."""
+    path = tmp_path / "ckpt.safetensors"
+    old = {"w": torch.randn(1 << 18, device=device), "b": torch.randn(33, device=device)}
+    ckptstream.save(old, path, settings=SMALL)
+    old_bytes = path.read_bytes()
+    real_start = threading.Thread.start
+    seen: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith(("ckptstream-write-", "ckptstream-read-")):  # the I/O threads
+            seen.append(thread.name)
+            if len(seen) > started:
+                raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    new = {k: torch.randn_like(v) for k, v in old.items()}
+    with pytest.raises(ckptstream.ThreadStartError, match=f"I/O thread {started + 1} of 3 for {path}") as e:
+        ckptstream.save(new, path, settings=SMALL)
+    assert repr(e.value.__cause__) == "RuntimeError(\"can't start new thread\")"
+    assert engine_threads() == []
+    assert POOL.in_use == 0
+    assert path.read_bytes() == old_bytes
+    assert sorted(tmp_path.iterdir()) == [path]
+    seen.clear()
+    with pytest.raises(ckptstream.ThreadStartError, match=f"I/O thread {started + 1} of 3 for {path}"):
+        ckptstream.load(path, device=str(device), mmap=False, settings=SMALL)
+    assert engine_threads() == []
+    assert POOL.in_use == 0
+    monkeypatch.undo()
+    loaded = ckptstream.load(path, device=str(device), mmap=False, settings=SMALL)
+    assert all(torch.equal(loaded[k], old[k]) for k in old)
