@@ -21,8 +21,7 @@ SLACK = 8 * MiB  # Python objects, the allocator's bookkeeping, one-element temp
 @pytest.mark.parametrize("op", ["save", "load", "load_into"])
 def test_peak_rss_is_the_staging_and_a_small_slack(tmp_path: Path, op: str) -> None:
     env = child_env()
-    # 96 MiB: a state copied whole through host memory would grow RSS four times the bound
-    proc = subprocess.run([sys.executable, str(HERE / "child_memory.py"), op, str(tmp_path), "96"],
+    proc = subprocess.run([sys.executable, str(HERE / "child_memory.py"), op, str(tmp_path), "256"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
