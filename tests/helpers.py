@@ -15,6 +15,7 @@ import json
 import math
 import mmap
 import os
+import signal
 import struct
 import threading
 from collections.abc import Callable
@@ -403,3 +404,13 @@ def buffers(buffer_size: int | None, num_buffers: int | None = None) -> ckptstre
     default = ckptstream.Settings()
     return ckptstream.Settings(buffer_size=buffer_size or default.buffer_size,
                                num_buffers=num_buffers or default.num_buffers)
+
+
+def needs_ctrl_c() -> None:
+    """Skip the calling test where SIGINT is not handled by Python's default handler: a shell
+    starts a background job (and ``nohup`` a command) with SIGINT ignored, which the test's
+    children inherit too, so a Ctrl-C the test sends (a SIGINT, ``_thread.interrupt_main``)
+    raises no KeyboardInterrupt there."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not handled by Python's default handler here (ignored, as in a background job or "
+                    "under nohup, or replaced), so a Ctrl-C raises no KeyboardInterrupt")

@@ -19,6 +19,7 @@ import torch
 import ckptstream
 from ckptstream import cli
 from ckptstream.bench import checkpointers, options, training
+from tests.helpers import needs_ctrl_c
 from tests.test_bench import run_until
 
 TINY = 1 / 1024  # GiB: about 1 MiB of state
@@ -183,6 +184,7 @@ def test_explicit_steps_and_the_automatic_choice(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_training_run_reports_the_systems_it_measured(tmp_path: Path) -> None:
+    needs_ctrl_c()  # the run's SIGINT reaches a child that inherits how SIGINT is handled here
     out = tmp_path / "stall.json"
     rc, stdout, stderr = run_until([sys.executable, "-m", "ckptstream.cli", "bench", "--training", "--device", "cpu",
                                     "--size-gib", str(TINY), "--repeat", "1", "--dir", str(tmp_path),

@@ -38,6 +38,7 @@ from tests.helpers import (
     assert_same_state,
     engine_threads,
     header_of,
+    needs_ctrl_c,
     open_fds,
     random_bytes,
     random_tensor,
@@ -454,6 +455,7 @@ def test_a_file_system_that_refuses_mappings_gets_the_copying_load_by_default(
 
 def test_ctrl_c_during_the_checksums_stops_and_joins_every_thread(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_ctrl_c()
     path = tmp_path / "mixed.safetensors"
     ckptstream.save(mixed_state(), path)
     real, calls = _checksum.crc_of, []

@@ -127,6 +127,11 @@ class StateMismatchWarning(UserWarning):
         self.missing, self.unexpected = missing, unexpected
 
 
+class ThreadStartError(CkptStreamError, RuntimeError):
+    """The process could not start a thread that a transfer needs: it reached a limit on threads
+    (the user's process limit, a container's pids limit) or on the memory of their stacks."""
+
+
 class CheckpointNotSavedError(CkptStreamError, RuntimeError):
     """An earlier background save of this process failed and its error was not collected (by
     ``result()`` or ``wait()``): the next ``save_async`` raises it instead of starting."""

@@ -9,6 +9,7 @@ are recognisable by name, and the next save removes them (never one of a live wr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -36,18 +37,26 @@ from tests.reliability.relutil import (
     training_state,
 )
 
-SIZE_MIB = 128  # big enough that one save takes long enough to be killed at many distinct moments
-TRIALS_PER_MODE = 16  # stratified over the save's duration, in each I/O mode
-COMMIT_TRIALS = 4  # aimed at the window between "all data written" and "renamed"
-MIN_KILLS = 30  # trials are added until this many writers were killed mid-save
 BUFFER_SIZE, NUM_BUFFERS = 1 * MiB, 2  # many chunks, so the save has many distinct moments
+
+
+@dataclasses.dataclass(frozen=True)
+class Depth:
+    size_mib: int  # big enough that one save takes long enough to be killed at many distinct moments
+    trials_per_mode: int  # stratified over the save's duration, in each I/O mode
+    commit_trials: int  # aimed at the window between "all data written" and "renamed"
+    min_kills: int  # trials are added until this many writers were killed mid-save
+
+
+# the default run: 32 chunks a save, kills on both sides of the rename; the soak: many more
+QUICK, SOAK = Depth(32, 6, 4, 12), Depth(128, 16, 4, 30)
 
 
 class SaveServer:
     """Drives child_save_server.py: one writer process per request, killed on demand."""
 
-    def __init__(self, path: Path) -> None:
-        self.proc = subprocess.Popen(child_command("child_save_server.py", path, SIZE_MIB), stdin=subprocess.PIPE,
+    def __init__(self, path: Path, size_mib: int) -> None:
+        self.proc = subprocess.Popen(child_command("child_save_server.py", path, size_mib), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1, env=child_env())
         self.lines: queue.Queue[str] = queue.Queue()
         self.pump = threading.Thread(target=self._pump, name="save-server-reader", daemon=True)
@@ -104,27 +113,29 @@ class SaveServer:
             self.proc.stdout.close()
 
 
-def schedule(rng: random.Random, timings: dict[str, dict[str, float]]) -> list[tuple[str, float]]:
+def schedule(rng: random.Random, timings: dict[str, dict[str, float]], depth: Depth) -> list[tuple[str, float]]:
     """(mode, kill delay): stratified over 0..1.2x each mode's save time, plus some aimed at the
     commit window (data written -> fsync -> header rewrite -> rename) of the buffered mode, where
     the final fsync makes that window long."""
     plan = []
     for mode, t in timings.items():
         span = 1.2 * t["total"]
-        plan += [(mode, span * (k + rng.random()) / TRIALS_PER_MODE) for k in range(TRIALS_PER_MODE)]
+        plan += [(mode, span * (k + rng.random()) / depth.trials_per_mode) for k in range(depth.trials_per_mode)]
     t = timings["off"]
     lo = t.get("data_written", 0.8 * t["total"])
-    plan += [("off", lo + (t["total"] - lo) * (k + rng.random()) / COMMIT_TRIALS) for k in range(COMMIT_TRIALS)]
+    plan += [("off", lo + (t["total"] - lo) * (k + rng.random()) / depth.commit_trials)
+             for k in range(depth.commit_trials)]
     rng.shuffle(plan)
     return plan
 
 
-def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("depth", [QUICK, pytest.param(SOAK, marks=pytest.mark.slow)], ids=["quick", "soak"])
+def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path, depth: Depth) -> None:
     path = tmp_path / "ckpt.safetensors"
-    versions = {v: training_state(v, SIZE_MIB * MiB) for v in (0, 1)}
+    versions = {v: training_state(v, depth.size_mib * MiB) for v in (0, 1)}
     pattern = temp_name_pattern(path.name)
     rng = random.Random(5)
-    server = SaveServer(path)
+    server = SaveServer(path, depth.size_mib)
     try:
         # un-killed saves first: the initial checkpoint, and each mode's save duration
         timings = {"auto": server.save(0, "auto", None)["timings"], "off": server.save(1, "off", None)["timings"]}
@@ -152,15 +163,15 @@ def test_sigkill_at_random_moments_keeps_a_complete_checkpoint(tmp_path: Path) -
             outcomes.append((mode, round(delay, 3), result["killed"], "new" if version == new else "old", len(temps)))
             current = version
 
-        for mode, delay in schedule(rng, timings):
+        for mode, delay in schedule(rng, timings, depth):
             trial(mode, delay)
         # saves ran faster than when timed (a machine busy then, idle now): aim earlier in them
-        while sum(o[2] for o in outcomes) < MIN_KILLS and len(outcomes) < 4 * MIN_KILLS:
+        while sum(o[2] for o in outcomes) < depth.min_kills and len(outcomes) < 4 * depth.min_kills:
             mode = rng.choice(list(timings))
             trial(mode, rng.uniform(0, 0.6 * timings[mode]["total"]))
         killed = [o for o in outcomes if o[2]]
         summary = f"timings {timings}; outcomes (mode, delay, killed, path holds, temps left) {outcomes}"
-        assert len(killed) >= MIN_KILLS, summary
+        assert len(killed) >= depth.min_kills, summary
         assert {o[3] for o in killed} == {"old", "new"}, f"kills were not spread over the save: {summary}"
         assert any(o[4] for o in killed), f"no kill landed while a temp file existed: {summary}"
         # an ordinary save removes what the last killed writer left

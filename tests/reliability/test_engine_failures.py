@@ -29,6 +29,7 @@ from ckptstream._engine import ReadEngine, WriteEngine
 from ckptstream._engine import read as read_engine
 from ckptstream._engine.engine import Engine
 from ckptstream._storage import fileio
+from tests.helpers import needs_ctrl_c
 from tests.reliability.relutil import (
     KiB,
     MiB,
@@ -235,10 +236,7 @@ def test_asynchronous_keyboard_interrupt_while_waiting(monkeypatch: pytest.Monke
                                                        deliver: Callable[[], None]) -> None:
     """KeyboardInterrupt delivered to the main thread while it waits for free buffers or for
     reads (an I/O thread triggers it after ``after`` chunks, long before the transfer ends)."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        # a shell runs background jobs with SIGINT ignored: the signal then raises nothing
-        pytest.skip("SIGINT is not handled by Python's default handler here (ignored, as in a background job, "
-                    "or replaced), so it raises no KeyboardInterrupt")
+    needs_ctrl_c()
     path, _ = old_checkpoint
     state, fds = big_state(), fd_count()
     with fail_in_io_thread(monkeypatch, "pwrite_all", after, deliver), reaches_caller(KeyboardInterrupt):

@@ -38,7 +38,8 @@ from ckptstream._format.header import DTYPES
 from tests.reliability.fuzzutil import check_file, check_rejected, element_bytes, encode_header, frame
 from tests.reliability.relutil import run_child, small_state
 
-FAST = settings(max_examples=300, deadline=None, derandomize=True, database=None,
+# the default run: the same 150 examples every time; test_deep_fuzzing (-m slow) draws 5000 fresh
+FAST = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 DEEP = settings(max_examples=5000, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip

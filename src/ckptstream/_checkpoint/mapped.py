@@ -102,7 +102,7 @@ def mapped_load(path: str, source: Source, header: Header, device: torch.device,
     with progress_bar(progress, header.data_bytes, f"load {os.path.basename(path)}") as bar:
         if checksum and header.crcs is not None:
             spans = [(base + t.begin, base + t.end) for t in infos]
-            computed, out = span_crcs(mapping, spans, nthreads, bar, meanwhile=tensors)
+            computed, out = span_crcs(mapping, spans, nthreads, bar, meanwhile=tensors, name=path)
             compare([(t.name, crc) for t, crc in zip(infos, header.crcs, strict=True)], computed)
             return True, out
         if bar is not None:
@@ -126,9 +126,9 @@ def threads(io_threads: int, hot_io_threads: int) -> int:
 
 def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
               bar: Callable[[int], None] | None = None, *,
-              meanwhile: Callable[[], T] | None = None) -> tuple[list[int], T | None]:
+              meanwhile: Callable[[], T] | None = None, name: str = "the mapping") -> tuple[list[int], T | None]:
     """The CRC-32C of each byte span [lo, hi) of the mapping (spans in file order, back to back
-    or not), and what ``meanwhile()`` returns.
+    or not), and what ``meanwhile()`` returns. ``name`` names the file in messages.
 
     Checksum calls over large pieces release the GIL, over small ones they hold it. So the
     other threads (up to ``nthreads`` in all) take only tasks of large pieces (contiguous runs
@@ -173,8 +173,8 @@ def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
     try:
         # a Ctrl-C here stops the workers and is raised once each started one is listed to join
         with control.interrupts_deferred(stop.set):
-            for w in workers:
-                w.start()
+            for i, w in enumerate(workers, 2):
+                control.start(w, f"checksum thread {i} of {nthreads} for {name}")
                 started.append(w)
         try:
             out = meanwhile() if meanwhile is not None else None

@@ -61,19 +61,31 @@ def plan_checkpoint(state: Any, metadata: Mapping[str, str] | None, checksum: bo
     return CheckpointPlan(header, infos, [by_name[i.name] for i in infos], checksum)
 
 
+class Outcome:
+    """What a save has done, for a KeyboardInterrupt that ends it: ``published`` is set (inside
+    the save's deferred-interrupt scope) as soon as the publish returns; ``told`` holds the
+    interrupt's two messages, made before the save begins."""
+
+    def __init__(self, name: str) -> None:
+        self.published = False
+        self.told = (f"the save was interrupted; nothing was published: {name} is as it was",
+                     f"the save was interrupted; the checkpoint at {name} was published: the new file is "
+                     "in place, complete")
+
+
 def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Settings, *, progress: bool = False,
                      stream: torch.cuda.Stream | None = None, after: Mark | None = None,
-                     staged: Callable[[], None] | None = None) -> list[int]:
+                     staged: Callable[[], None] | None = None, outcome: Outcome | None = None) -> list[int]:
     """Write ``plan`` to a sink of ``path`` (a path or URL) and publish it atomically; returns
     each tensor's CRC-32C in file order (empty without checksums). The one writer of checkpoint
     files: ``save``, ``save_async``, the manager and ``ckptstream.dcp``'s rank files. The copies
     follow the caller's CUDA work (``stream``, or a ``mark`` taken earlier, see the engine).
     ``staged`` is called once every byte of the tensors is out of them (before the header's
     checksums and the publication): a background save lets its caller change the tensors from
-    then on."""
+    then on. ``outcome.published`` is set once the file is published."""
     name = os.fsdecode(path)
     try:
-        return _write(plan, name, cfg, progress, stream, after, staged)
+        return _write(plan, name, cfg, progress, stream, after, staged, outcome)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -84,27 +96,33 @@ def write_checkpoint(plan: CheckpointPlan, path: str | os.PathLike[str], cfg: Se
 
 
 def _write(plan: CheckpointPlan, name: str, cfg: Settings, progress: bool, stream: torch.cuda.Stream | None,
-           after: Mark | None, staged: Callable[[], None] | None) -> list[int]:
-    with interrupts_deferred(), storage_for(name).create(name) as sink:
-        sink.write_at(memoryview(plan.header), 0)
-        raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
-        start = len(plan.header)
-        with _gc.paused():
-            # all of each tensor's bytes (Piece.of, with the size the table already holds)
-            pieces = [Piece(t, start + i.begin, 0, i.end - i.begin)
-                      for t, i in zip(plan.tensors, plan.infos, strict=True)]
-        total = plan.infos[-1].end if plan.infos else 0  # the tensors lie back to back
-        with progress_bar(progress, total, f"save {os.path.basename(name)}") as bar:
+           after: Mark | None, staged: Callable[[], None] | None, outcome: Outcome | None) -> list[int]:
+    with interrupts_deferred():
+        with storage_for(name).create(name) as sink:
+            sink.write_at(memoryview(plan.header), 0)
+            raise_if_interrupted()  # a Ctrl-C while the temp was being opened: stop before streaming
+            start = len(plan.header)
             with _gc.paused():
-                engine = WriteEngine(sink, pieces, cfg, checksum=plan.checksum, progress=bar,
-                                     stream=stream, after=after)
-            crcs = engine.run()
-        if staged is not None:
-            staged()
-        if plan.checksum:  # the same length: written over the placeholders
-            sink.write_at(memoryview(_header.fill(plan.header, crcs)), 0)
-        raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place
+                # all of each tensor's bytes (Piece.of, with the size the table already holds)
+                pieces = [Piece(t, start + i.begin, 0, i.end - i.begin)
+                          for t, i in zip(plan.tensors, plan.infos, strict=True)]
+            total = plan.infos[-1].end if plan.infos else 0  # the tensors lie back to back
+            with progress_bar(progress, total, f"save {os.path.basename(name)}") as bar:
+                with _gc.paused():
+                    engine = WriteEngine(sink, pieces, cfg, checksum=plan.checksum, progress=bar,
+                                         stream=stream, after=after)
+                crcs = engine.run()
+            if staged is not None:
+                staged()
+            if plan.checksum:  # the same length: written over the placeholders
+                sink.write_at(memoryview(_header.fill(plan.header, crcs)), 0)
+            raise_if_interrupted()  # a Ctrl-C until here leaves the old file in place
+        if outcome is not None:  # still deferred: no interrupt lands between the publish and this
+            outcome.published = True
     return crcs
+
+
+NOT_STARTED = "the save was interrupted before it began; nothing was published"
 
 
 def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
@@ -135,9 +153,25 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
         TypeError, ValueError: metadata that is not ``str -> str`` or uses the reserved
             ``ckptstream.`` prefix; a header over safetensors' 100 MB limit (before any file).
         OSError: from the OS (a full disk, a missing directory), with the path.
+        KeyboardInterrupt: a Ctrl-C (SIGINT with Python's default handler) during the save.
+            Its ``published`` attribute says what it left: True, the new checkpoint is at
+            ``path``, complete (the interrupt came once the publish had begun); False, nothing
+            was published and ``path`` is as it was (no temp file is left). Its message says
+            the same; its ``path`` attribute is the ``path`` given.
 
     Example:
         >>> ckptstream.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}, "ckpt.safetensors")
     """
-    cfg = per_call("save", settings, legacy)
-    write_checkpoint(plan_checkpoint(state, metadata, checksum), path, cfg, progress=progress)
+    # no call before the try, and none in the handler: a call is where the interpreter raises
+    # a pending interrupt (the first Ctrl-C's, or a second one's while the first is handled)
+    outcome = None
+    try:
+        outcome = Outcome(os.fsdecode(path))
+        cfg = per_call("save", settings, legacy)
+        write_checkpoint(plan_checkpoint(state, metadata, checksum), path, cfg, progress=progress, outcome=outcome)
+    except KeyboardInterrupt as e:
+        # the same exception (Python reports it, and exits, as Ctrl-C's), told what it left
+        e.path = path  # type: ignore[attr-defined]
+        e.published = outcome is not None and outcome.published  # type: ignore[attr-defined]
+        e.args = (outcome.told[outcome.published] if outcome is not None else NOT_STARTED,)
+        raise

@@ -38,6 +38,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._engine import control
 from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
@@ -380,7 +381,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
         thread = threading.Thread(target=_work, args=(handle, job, cfg, progress, then),
                                   name=f"ckptstream-save-{next(_names)}", daemon=True)
         handle._thread = thread
-        thread.start()
+        control.start(thread, f"the background save of {target}")
     except BaseException:
         _unreserve(handle)
         raise

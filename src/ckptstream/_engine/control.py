@@ -19,7 +19,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .._errors import CkptStreamError
+from .._errors import CkptStreamError, ThreadStartError
 
 
 class TransferCancelled(CkptStreamError, RuntimeError):
@@ -138,6 +138,19 @@ def join(threads: Sequence[threading.Thread], on_interrupt: Callable[[], None] |
                     on_interrupt()
     if pending is not None:
         raise pending
+
+
+def start(thread: threading.Thread, what: str) -> None:
+    """Start ``thread`` (``what`` names it for the message), raising ThreadStartError where the
+    process cannot start one (Python's plain RuntimeError says only "can't start new thread")."""
+    try:
+        thread.start()
+    except RuntimeError as e:
+        raise ThreadStartError(
+            f"ckptstream could not start {what}: {e}. The process has reached a limit on threads or on the memory "
+            "of their stacks: the user's process limit (ulimit -u), the container's pids limit (pids.max), or the "
+            "address space (ulimit -v); raise that limit, end threads the program no longer needs, or set fewer "
+            "io_threads (ckptstream.settings)") from e
 
 
 class Stopped(Exception):

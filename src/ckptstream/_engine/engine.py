@@ -20,6 +20,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from .. import _checksum, _gc
+from .._errors import ThreadStartError
 from .._settings import Settings
 from .._storage import Target
 from . import control, streams
@@ -105,8 +106,12 @@ class Engine(Generic[T]):
         for i in range(count):
             own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
             thread = threading.Thread(target=self._thread, args=(own,), name=f"{name}-{i}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._threads.append(thread)  # before it starts: an interrupt right after must find it
+            try:
+                control.start(thread, f"I/O thread {i + 1} of {count} for {self.file.name}")
+            except ThreadStartError:
+                self._threads.pop()  # never started: leaving the engine joins those that run
+                raise
         return self
 
     def cancel(self) -> None:

@@ -17,7 +17,7 @@ from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
-from .._errors import ChecksumsMissingError, StateMismatchError
+from .._errors import ChecksumsMissingError, StateMismatchError, ThreadStartError
 from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
 from .._storage import storage_for
 from . import directory as _directory
@@ -217,8 +217,9 @@ class CheckpointManager:
                 helper = threading.Thread(target=self._report_failure, args=(then, e), daemon=True,
                                           name=f"ckptstream-manager-{step}")
                 told = f"that the save of step {step} in {self.directory} failed" if self.world_size > 1 else None
-                reports.start(helper, told)
-                self._helpers.append(helper)
+                with contextlib.suppress(ThreadStartError):  # then the other ranks time out on this step
+                    reports.start(helper, told, f"the thread that reports step {step}'s failure to the other ranks")
+                    self._helpers.append(helper)
             raise
         self._last = step
         self._handles = [h for h in self._handles if not h.done()] + [handle]

@@ -20,6 +20,7 @@ import sys
 import threading
 
 from .._checkpoint.save_async import say_at_exit
+from .._engine import control
 
 _lock = threading.Lock()
 _running: list[tuple[threading.Thread, str | None]] = []  # with what it tells, for the line said at exit
@@ -27,9 +28,10 @@ _hooked = False
 _in_threading_hook = False  # the hook runs before the atexit hooks (not among them)
 
 
-def start(thread: threading.Thread, what: str | None) -> None:
+def start(thread: threading.Thread, what: str | None, role: str) -> None:
     """Start ``thread`` (a daemon), which tells the other ranks ``what``; exit waits for it (and
-    says so, unless ``what`` is None: no other rank waits)."""
+    says so, unless ``what`` is None: no other rank waits). ``role`` names the thread in the
+    ThreadStartError raised where it cannot start."""
     global _hooked
     with _lock:
         _running[:] = [(t, w) for t, w in _running if t.is_alive()]
@@ -37,7 +39,7 @@ def start(thread: threading.Thread, what: str | None) -> None:
         if not _hooked:
             _hooked = True
             _hook()
-    thread.start()
+    control.start(thread, role)
 
 
 def _hook() -> None:
