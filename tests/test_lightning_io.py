@@ -425,6 +425,19 @@ def test_a_failed_save_is_raised_at_teardown_after_later_saves(tmp_path: Path, m
     assert torch.equal(ckptstream.load(tmp_path / "c.ckpt")["w"], later["w"])
 
 
+def test_host_mode_teardown_frees_the_kept_snapshot_memory(tmp_path: Path) -> None:
+    ckptstream.release_host_snapshot()
+    w = torch.randn(300_000)
+    state = {"state_dict": {"w": w}, "epoch": 1}
+    io = StreamCheckpointIO("host")
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.wait()
+    assert ckptstream.host_snapshot_bytes() >= 1_200_000  # kept for the next save
+    io.teardown()
+    assert ckptstream.host_snapshot_bytes() == 0
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], w)
+
+
 # --- "lazy": the state is read out before it changes -------------------------------------------
 
 

@@ -336,8 +336,8 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         error = e
         traceback.clear_frames(e.__traceback__)  # a kept error must not keep the snapshot alive
     finally:
-        if captured is not None and captured.copies is not None:
-            captured.copies.finish()  # nothing reads the state any more: the guard lets go
+        if captured is not None:
+            captured.finish()  # nothing reads the state any more: the guard lets go, the snapshot memory is kept
         plan = captured = None  # the snapshot's memory goes back before the completion runs
         handle._mark_staged()
         handle._earlier = None  # a failed save keeps no chain of older handles alive
@@ -368,7 +368,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
     handle = SaveHandle(target, mode, step)
     _reserve(handle, max_in_flight)
     try:
-        captured = capture(plan.tensors, mode)
+        captured = capture(plan.tensors, mode, kept_memory=True)
         if captured.fallback:
             warnings.warn(SnapshotFallbackWarning(captured.fallback), stacklevel=stacklevel)
         handle.mode = captured.mode
