@@ -423,7 +423,9 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
                 hand-written ``p.data.add_()``) must come after ``handle.wait_staged()``, which
                 orders the current stream after the copies and returns at once. A loop may call
                 it just before ``optimizer.step()`` as in "lazy" mode: the update then waits on
-                the GPU for what is left of the copies, as it does with the hook alone.
+                the GPU for what is left of the copies, as it does with the hook alone. The
+                host memory is kept for the next "host" save of the same size
+                (``warm_host_snapshot``, ``release_host_snapshot``; docs/training.md).
         max_in_flight: at most this many saves of this process run at once, this one included;
             when they do, the call first waits for the oldest to end (backpressure). Saves of
             one path publish in call order: the path ends with the newest call's state (a save

@@ -169,10 +169,11 @@ def _how_to_make_plain(value: Any) -> str:
     if dataclasses.is_dataclass(value):
         return "store dataclasses.asdict(value) and rebuild the dataclass where it is read"
     if isinstance(value, enum.Enum):
-        kind = "an IntEnum" if isinstance(value, int) else "a StrEnum" if isinstance(value, str) else "an Enum"
-        return (f"store value.name and look the member up where it is read ({type(value).__qualname__}[name]): "
-                f"{kind} member stored as its value would come back as a plain "
-                f"{'int' if isinstance(value, int) else 'str' if isinstance(value, str) else 'value'}")
+        how = f"store value.name and look the member up where it is read ({type(value).__qualname__}[name])"
+        for base in (int, str):  # an IntEnum, IntFlag or StrEnum member: why not as the value it also is
+            if isinstance(value, base):
+                return f"{how}: stored as the {base.__name__} it also is, it would come back as a plain {base.__name__}"
+        return how
     if isinstance(value, (set, frozenset)):
         return "store sorted(value) as a list"
     if isinstance(value, (bytes, bytearray, memoryview)):
