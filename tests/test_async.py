@@ -22,7 +22,7 @@ import torch
 
 import ckptstream
 from ckptstream import Settings
-from ckptstream._checkpoint import capture, save, save_async
+from ckptstream._checkpoint import capture, save, save_async, snapshot
 from ckptstream._engine.write import WriteEngine
 from tests.helpers import engine_threads, random_tensor
 from tests.resume.trainutil import detached, differences, run_child, start_child
@@ -570,8 +570,8 @@ def test_the_copy_is_freed_once_the_save_ends(mode: str, fails: bool, tmp_path: 
     kept: list[weakref.ref[torch.Tensor]] = []
     real = capture.capture
 
-    def watched(tensors: list[torch.Tensor], mode: str) -> capture.Captured:
-        captured = real(tensors, mode)
+    def watched(tensors: list[torch.Tensor], mode: str, **kwargs: Any) -> capture.Captured:
+        captured = real(tensors, mode, **kwargs)
         kept.extend(weakref.ref(t) for t in captured.tensors if all(t is not s for s in tensors))
         return captured
 
@@ -594,3 +594,140 @@ def test_the_copy_is_freed_once_the_save_ends(mode: str, fails: bool, tmp_path: 
     else:
         handle.result()
 
+
+
+# --- "host": the snapshot memory is kept for the next save of the same size -------------------
+
+
+@dataclasses.dataclass
+class Blocks:
+    """The blocks of snapshot memory made and freed, as (bytes, pinned)."""
+
+    made: list[tuple[int, bool]] = dataclasses.field(default_factory=list)
+    freed: list[tuple[int, bool]] = dataclasses.field(default_factory=list)
+
+
+@pytest.fixture
+def blocks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Blocks]:
+    """Counts the real blocks of snapshot memory; none is kept before or after the test."""
+    seen = Blocks()
+
+    class Counted(snapshot.Block):
+        def __init__(self, size: int, pinned: bool) -> None:
+            super().__init__(size, pinned)
+            seen.made.append((size, pinned))
+
+        def free(self) -> None:
+            seen.freed.append((self.size, self.pinned))
+            super().free()
+
+    ckptstream.release_host_snapshot()
+    monkeypatch.setattr(snapshot, "Block", Counted)
+    yield seen
+    ckptstream.release_host_snapshot()
+
+
+def snapshot_size(state: Any) -> int:
+    return snapshot.layout(save.plan_checkpoint(state, None, False).tensors)[1]
+
+
+def assert_file_of(path: str | Path, state: Any, tmp_path: Path) -> None:
+    ckptstream.save(state, tmp_path / "expected.safetensors")
+    assert Path(path).read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+
+
+def test_host_mode_keeps_its_snapshot_memory_for_the_next_save_of_the_same_size(tmp_path: Path,
+                                                                                blocks: Blocks) -> None:
+    first, second = training_state(1 << 16), training_state(1 << 16)  # the same shapes, other values
+    size = snapshot_size(first)
+    assert size >= (1 << 16) * 4
+    handle = ckptstream.save_async(first, tmp_path / "1.safetensors", mode="host")
+    assert ckptstream.host_snapshot_bytes() == size  # lent to the save in flight
+    handle.result()
+    assert ckptstream.host_snapshot_bytes() == size  # kept
+    ckptstream.save_async(second, tmp_path / "2.safetensors", mode="host").result()
+    assert blocks.made == [(size, False)]  # the second save took the first one's memory
+    assert_file_of(tmp_path / "1.safetensors", first, tmp_path)
+    assert_file_of(tmp_path / "2.safetensors", second, tmp_path)
+    # another size: the kept memory is freed before the new block is made, and the new one kept
+    other = training_state(1 << 17)
+    ckptstream.save_async(other, tmp_path / "3.safetensors", mode="host").result()
+    assert blocks.made == [(size, False), (snapshot_size(other), False)]
+    assert blocks.freed == [(size, False)]
+    assert ckptstream.host_snapshot_bytes() == snapshot_size(other)
+    assert_file_of(tmp_path / "3.safetensors", other, tmp_path)
+    assert ckptstream.release_host_snapshot() == snapshot_size(other)
+    assert ckptstream.host_snapshot_bytes() == 0
+    assert ckptstream.release_host_snapshot() == 0
+
+
+def test_warm_host_snapshot_pays_before_the_first_save(tmp_path: Path, blocks: Blocks) -> None:
+    state = training_state(1 << 16)
+    assert ckptstream.warm_host_snapshot(state) == snapshot_size(state)
+    assert blocks.made == [(snapshot_size(state), False)]
+    ckptstream.save_async(state, tmp_path / "a.safetensors", mode="host").result()
+    assert blocks.made == [(snapshot_size(state), False)]
+    assert_file_of(tmp_path / "a.safetensors", state, tmp_path)
+    for other_mode in ["device", "lazy"]:  # other modes neither take nor free it
+        ckptstream.save_async(state, tmp_path / "b.safetensors", mode=other_mode).result()
+    assert (blocks.made, blocks.freed) == ([(snapshot_size(state), False)], [])
+    assert ckptstream.warm_host_snapshot({"step": 3, "empty": torch.empty(0)}) == 0  # nothing to hold
+    with pytest.raises(ckptstream.UnsupportedTypeError, match="object"):
+        ckptstream.warm_host_snapshot({"w": object()})
+    assert ckptstream.host_snapshot_bytes() == snapshot_size(state)
+
+
+def test_host_saves_in_flight_at_once_never_share_snapshot_memory(tmp_path: Path, blocks: Blocks,
+                                                                   gate: threading.Event) -> None:
+    first, second = training_state(1 << 16), training_state(1 << 16)
+    expected = [detached(first), detached(second)]
+    ckptstream.warm_host_snapshot(first)  # kept: the first save takes it, the second needs its own
+    handles = [ckptstream.save_async(s, tmp_path / f"{i}.safetensors", mode="host", max_in_flight=2)
+               for i, s in enumerate([first, second])]
+    mutate(first)
+    mutate(second)
+    gate.set()  # both were captured before either writes
+    for i, handle in enumerate(handles):
+        handle.result()
+        assert differences(ckptstream.load(handle.path), expected[i]) == [], i
+    size = snapshot_size(first)
+    assert blocks.made == [(size, False), (size, False)]
+    assert blocks.freed == [(size, False)]  # one kept once both ended
+    assert ckptstream.host_snapshot_bytes() == size
+
+
+@pytest.mark.gpu
+def test_gpu_a_second_host_save_of_the_same_layout_allocates_no_pinned_memory(tmp_path: Path, blocks: Blocks,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[torch.Tensor]] = []
+    real = capture.capture
+
+    def watched(tensors: list[torch.Tensor], mode: str, **kwargs: Any) -> capture.Captured:
+        captured = real(tensors, mode, **kwargs)
+        seen.append([t for t in captured.tensors if t.numel()])
+        return captured
+
+    monkeypatch.setattr(save_async, "capture", watched)
+
+    def state() -> dict[str, Any]:
+        return {"w": random_tensor((4096, 4096), device="cuda"), "b": random_tensor(4097, torch.bfloat16, "cuda"),
+                "step": torch.tensor(3.0), "m": [random_tensor(1 << 20, device="cuda") for _ in range(3)]}
+
+    first, second = state(), state()
+    expected = [detached(first), detached(second)]
+    torch_allocs = torch.cuda.host_memory_stats().get("num_host_alloc")
+    handle = ckptstream.save_async(first, tmp_path / "1.safetensors", mode="host")
+    handle.result()
+    pointers = [t.data_ptr() for t in seen[0]]
+    handle = ckptstream.save_async(second, tmp_path / "2.safetensors", mode="host")
+    handle.wait_staged()
+    for t in [second["w"], second["b"], *second["m"]]:
+        t.add_(1.0)  # ordered after the copies into the reused memory
+    handle.result()
+    assert blocks.made == [(snapshot_size(first), True)]  # one block registered with CUDA, for both saves
+    assert all(t.is_pinned() for t in seen[1])
+    assert [t.data_ptr() for t in seen[1]] == pointers
+    assert torch.cuda.host_memory_stats().get("num_host_alloc") == torch_allocs  # nor any of torch's pinned memory
+    for i in range(2):
+        assert differences(ckptstream.load(tmp_path / f"{i + 1}.safetensors"), expected[i]) == [], i
+    assert ckptstream.host_snapshot_bytes() == snapshot_size(first)

@@ -8,7 +8,7 @@ assertion is on saved bytes or on the GPU's own order of events, never on wall t
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +26,13 @@ ELEMENTS = 1 << 27  # 512 MiB of float32 per tensor
 SPIN = 1_000_000_000  # cycles of torch.cuda._sleep: about half a second of GPU time
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pinned_memory_cached() -> None:
-    """Pinned blocks of the tests' sizes, allocated once and given back to torch's cache: a save's
-    pinned copies are then allocated at once, and its copies are all queued while the kernel
-    queued before the call still runs."""
-    blocks = [torch.empty(ELEMENTS, pin_memory=True) for _ in range(4)]
-    blocks += [torch.empty(ELEMENTS // 2, pin_memory=True) for _ in range(4)]
-    blocks.append(torch.empty(ELEMENTS * 2, pin_memory=True))
-    del blocks
+@pytest.fixture(autouse=True)
+def _snapshot_memory_given_back() -> Iterator[None]:
+    """Each test warms the snapshot memory of its state (``warm_host_snapshot``) before it queues
+    the long kernel, so that its save's copies are all queued while that kernel still runs; the
+    memory is freed after it (the states are large)."""
+    yield
+    ckptstream.release_host_snapshot()
 
 
 def big_params(count: int = 4) -> list[torch.nn.Parameter]:
@@ -80,6 +78,7 @@ def test_an_optimizer_step_right_after_the_call_runs_after_the_copies(tmp_path: 
     opt = torch.optim.SGD(params, lr=1.0)
     state = {f"p{i}": p for i, p in enumerate(params)}
     expected = cpu_copies(state)
+    ckptstream.warm_host_snapshot(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)  # the copies and the update both queue behind it
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
@@ -105,6 +104,7 @@ def test_a_training_forward_that_updates_saved_statistics_runs_after_the_copies(
     x = random_tensor((2, ELEMENTS // 2), device="cuda")
     state = {f"bn.{k}": v for k, v in bn.state_dict().items()}
     expected = cpu_copies(state)
+    ckptstream.warm_host_snapshot(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
@@ -121,6 +121,7 @@ def test_a_hand_written_change_after_wait_staged_runs_after_the_copies(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"w{i}": random_tensor(ELEMENTS, device="cuda") for i in range(2)}
     expected = cpu_copies(state)
+    ckptstream.warm_host_snapshot(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
@@ -141,6 +142,7 @@ def test_a_save_on_the_callers_own_stream_follows_its_work_and_precedes_its_upda
     opt = torch.optim.SGD(params, lr=1.0)
     state = {f"p{i}": p for i, p in enumerate(params)}
     expected = {k: -v for k, v in cpu_copies(state).items()}
+    ckptstream.warm_host_snapshot(state)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # the training's own stream, not the default one
@@ -158,6 +160,7 @@ def test_the_callers_stream_does_not_wait_for_the_copies(tmp_path: Path) -> None
     """A kernel queued on the caller's stream after the call ends before the copies do (the GPU's
     own timestamps: ``elapsed_time`` from the kernel's event to the copies' is positive)."""
     state = {f"w{i}": random_tensor(ELEMENTS, device="cuda") for i in range(4)}  # 2 GiB: the copies take a while
+    ckptstream.warm_host_snapshot(state)
     torch.cuda.synchronize()
     handle = ckptstream.save_async(state, tmp_path / "ckpt.safetensors", mode="host")
     copies_end = torch.cuda.Event(enable_timing=True)
@@ -174,6 +177,7 @@ def test_a_freed_tensor_is_not_reused_under_the_copies(tmp_path: Path) -> None:
     w = random_tensor(ELEMENTS * 2, device="cuda")  # 1 GiB
     expected = {"w": w.cpu()}
     scratch = w * 1.0  # a temporary the caller saves, then drops
+    ckptstream.warm_host_snapshot({"w": scratch})
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     handle = ckptstream.save_async({"w": scratch}, tmp_path / "ckpt.safetensors", mode="host")

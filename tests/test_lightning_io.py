@@ -64,6 +64,19 @@ class Color(enum.Enum):
     RED = 1
 
 
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Stage(str, enum.Enum):  # what enum.StrEnum is (Python 3.11+)
+    FIT = "fit"
+
+
+class Access(enum.IntFlag):
+    READ = 4
+
+
 class Opaque:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Opaque)
@@ -169,12 +182,79 @@ def test_an_object_is_refused_by_its_key_path(tmp_path: Path, value: Any, hint: 
     assert os.listdir(tmp_path) == []  # refused before any file
 
 
+@pytest.mark.parametrize("member", [Level.HIGH, Stage.FIT, Access.READ], ids=["IntEnum", "StrEnum", "IntFlag"])
+def test_an_enum_that_is_also_an_int_or_str_is_refused_not_flattened(tmp_path: Path, member: enum.Enum) -> None:
+    # stored as its value, it would load as a plain int or str: equal to the member, but no longer one
+    plain = "int" if isinstance(member, int) else "str"
+    ckpt = {"w": torch.randn(3), "loops": {"fit": {"state": [{"stage": member}]}}}
+    for mode in [None, "device"]:
+        with pytest.raises(UnsupportedTypeError) as raised:
+            StreamCheckpointIO(mode).save_checkpoint(ckpt, tmp_path / "a.ckpt")
+        message = str(raised.value)
+        assert "checkpoint['loops']['fit']['state'][0]['stage']" in message
+        assert f"tests.test_lightning_io.{type(member).__qualname__}" in message
+        assert f"look the member up where it is read ({type(member).__qualname__}[name])" in message
+        assert f"would come back as a plain {plain}" in message
+    # as a dict key it is refused even with pickle allowed: keys are never pickled
+    with pytest.raises(UnsupportedTypeError, match=rf"checkpoint\['d'\]: dict key .* is a member of the enum "
+                       rf"tests\.test_lightning_io\.{type(member).__qualname__}.*use key\.name as the key"):
+        StreamCheckpointIO(allow_pickle=True).save_checkpoint({"d": {member: 1}}, tmp_path / "a.ckpt")
+    assert os.listdir(tmp_path) == []
+    # with pickle allowed, the member comes back as itself (in a tuple too)
+    StreamCheckpointIO(allow_pickle=True).save_checkpoint({"d": {"m": member, "t": (member, 5)}}, tmp_path / "b.ckpt")
+    back = StreamCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "b.ckpt")["d"]
+    assert type(back["m"]) is type(member)
+    assert back["m"] is member
+    assert type(back["t"]) is tuple
+    assert back["t"][0] is member
+    assert back["t"][1] == 5
+
+
 def test_a_dict_key_that_is_not_text_or_int_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedTypeError, match=r"checkpoint\['loops'\]: dict key \(1, 2\) is a builtins.tuple"):
         StreamCheckpointIO().save_checkpoint({"loops": {(1, 2): 3}}, tmp_path / "a.ckpt")
     with pytest.raises(UnsupportedTypeError, match="two keys of this dict are equal"):
         StreamCheckpointIO().save_checkpoint({"d": {"k": 1, Distinct("k"): 2}}, tmp_path / "a.ckpt")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", [None, "device"])
+def test_a_bool_dict_key_comes_back_a_bool(tmp_path: Path, mode: str | None) -> None:
+    flagged = torch.randn(3)
+    ckpt = {"w": torch.randn(4), "callbacks": {"Cb": {"by_flag": {True: flagged, False: [1, {True: "yes"}]},
+                                                      "ordered": collections.OrderedDict([(False, 0), ("x", 1),
+                                                                                          (True, 2), (7, 3)]),
+                                                      "hp": AttributeDict({True: 1.5}), "flag": True}}}
+    io = StreamCheckpointIO(mode)
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    io.teardown()
+    back = StreamCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")["callbacks"]["Cb"]
+    assert [(type(k), k) for k in back["by_flag"]] == [(bool, True), (bool, False)]
+    assert torch.equal(back["by_flag"][True], flagged)
+    assert [(type(k), k) for k in back["by_flag"][False][1]] == [(bool, True)]
+    assert back["by_flag"][False] == [1, {True: "yes"}]
+    assert type(back["ordered"]) is collections.OrderedDict
+    assert [(type(k), k) for k in back["ordered"]] == [(bool, False), (str, "x"), (bool, True), (int, 7)]
+    assert list(back["ordered"].values()) == [0, 1, 2, 3]
+    assert type(back["hp"]) is AttributeDict
+    assert [(type(k), k) for k in back["hp"]] == [(bool, True)]
+    assert back["hp"][True] == 1.5
+    assert back["flag"] is True
+    # a plain load holds what the file stores: their ints
+    plain = ckptstream.load(tmp_path / "a.ckpt")["callbacks"]["Cb"]
+    assert [(type(k), k) for k in plain["ordered"]] == [(int, 0), (str, "x"), (int, 1), (int, 7)]
+    assert [(type(k), k) for k in plain["by_flag"]] == [(int, 1), (int, 0)]
+
+
+def test_a_damaged_bool_key_row_is_named(tmp_path: Path) -> None:
+    plain = {"d": {0: "a", 1: "b", "k": "c"}, "e": {"k": 1}, "t": "x"}
+    rows = [("d", "[2]"), ("d", "[1, 1]"), ("d", "[]"), ("d", '["1"]'), ("d", "[true]"), ("d", "null"),
+            ("e", "[1]"), ("t", "[1]")]  # not 0 or 1, twice, none, not ints; a key the dict lacks; no dict
+    for key, payload in rows:
+        table = f'{{"version": 1, "values": [[["{key}"], "bool_keys", {payload}]]}}'
+        ckptstream.save(plain, tmp_path / "a.ckpt", metadata={TYPES_KEY: table})
+        with pytest.raises(CorruptCheckpointError, match=rf"checkpoint\['{key}'\] is tagged 'bool_keys'"):
+            StreamCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
 
 
 def test_pickle_only_when_asked_on_both_sides(tmp_path: Path) -> None:
@@ -324,6 +404,38 @@ def test_teardown_raises_a_failed_save(tmp_path: Path, monkeypatch: pytest.Monke
             io.teardown()
         io.teardown()  # collected once: nothing left to raise
     assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_save_is_raised_at_teardown_after_later_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a later save_checkpoint forgets the saves that ended well: a failed one stays until teardown
+    (tmp_path / "d").mkdir()
+    later = {"w": torch.randn(1000)}
+    with held_saves(monkeypatch) as holds:
+        io = StreamCheckpointIO("device")
+        io.save_checkpoint({"w": torch.randn(10)}, tmp_path / "d" / "a.ckpt")
+        (tmp_path / "d").rmdir()  # the save finds no directory to write its temp file in
+        holds.release(str(tmp_path / "d" / "a.ckpt"), "the test")
+        with pytest.raises(ckptstream.CheckpointNotSavedError, match=r"a\.ckpt failed"):
+            io.save_checkpoint({"w": torch.randn(10)}, tmp_path / "b.ckpt")  # waits for it: max_in_flight=1
+        io.save_checkpoint(later, tmp_path / "c.ckpt")  # the failed save has ended: this one forgets only good ones
+        with pytest.raises(FileNotFoundError):
+            io.teardown()
+        io.teardown()  # collected once: nothing left to raise
+    assert sorted(os.listdir(tmp_path)) == ["c.ckpt"]
+    assert torch.equal(ckptstream.load(tmp_path / "c.ckpt")["w"], later["w"])
+
+
+def test_host_mode_teardown_frees_the_kept_snapshot_memory(tmp_path: Path) -> None:
+    ckptstream.release_host_snapshot()
+    w = torch.randn(300_000)
+    state = {"state_dict": {"w": w}, "epoch": 1}
+    io = StreamCheckpointIO("host")
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.wait()
+    assert ckptstream.host_snapshot_bytes() >= 1_200_000  # kept for the next save
+    io.teardown()
+    assert ckptstream.host_snapshot_bytes() == 0
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], w)
 
 
 # --- "lazy": the state is read out before it changes -------------------------------------------

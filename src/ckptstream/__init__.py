@@ -7,6 +7,7 @@ from ._checkpoint.load_into import load_into
 from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
 from ._checkpoint.save import save
 from ._checkpoint.save_async import AsyncMode, SaveHandle, save_async
+from ._checkpoint.snapshot import host_snapshot_bytes, release_host_snapshot, warm_host_snapshot
 from ._checkpoint.transfer import device_to_file, file_to_device
 from ._engine import release_staging, staging_bytes
 from ._errors import (
@@ -101,16 +102,19 @@ __all__ = [
     "device_to_file",
     "export_hf",
     "file_to_device",
+    "host_snapshot_bytes",
     "check_step",
     "check_steps",
     "load",
     "load_into",
     "open",
     "read_metadata",
+    "release_host_snapshot",
     "release_staging",
     "save",
     "save_async",
     "settings",
     "staging_bytes",
     "verify",
+    "warm_host_snapshot",
 ]

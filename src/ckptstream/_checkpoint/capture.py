@@ -21,6 +21,9 @@ says when the caller may change the state again:
   copies.
 - The engine's ordering point (``mark``) is taken here, after those copies: the worker's engine,
   made later in another thread, orders its own copies after it.
+- "host" with ``kept_memory`` (``save_async``): the copies go into one block of the process's
+  snapshot memory (``snapshot``), lent until ``Captured.finish()`` and then kept for the next
+  save of the same size, instead of new pinned tensors each time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from .._engine import Mark, copyable, empty_tensor, mark
 from .guard import GUARD, HostCopies, storage_keys
+from .snapshot import MEMORY, Block, layout
 
 
 class AsyncMode(str, enum.Enum):
@@ -74,6 +78,16 @@ class Captured:
     fallback: str = ""  # why "device" became "lazy"
     copies: HostCopies | None = None  # "host": the side streams' copies, which order the caller's streams
     keep: list[torch.Tensor] = dataclasses.field(default_factory=list)  # read by the copies until they are done
+    block: Block | None = None  # "host" with kept_memory: the snapshot memory ``tensors`` are views of
+
+    def finish(self) -> None:
+        """The save has ended: nothing reads the state nor the snapshot any more (the guard lets
+        go; the snapshot memory is kept for the next save). Safe to call twice."""
+        if self.copies is not None:
+            self.copies.finish()
+        block, self.block = self.block, None
+        if block is not None:
+            MEMORY.give_back(block)
 
     def copied(self) -> None:
         """Wait for the copies into host memory (``ready``); the live tensors are no longer read."""
@@ -88,12 +102,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _copy(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """A contiguous copy of ``t`` on ``device`` (a pinned host tensor with ``pin``), queued on the
-    current stream of ``t``'s device when either side is a GPU."""
-    if pin and t.numel():
+def _copy(t: torch.Tensor, device: torch.device, pin: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous copy of ``t`` on ``device`` (a pinned host tensor with ``pin``; into ``out``,
+    host memory pinned with ``pin``, where given), queued on the current stream of ``t``'s device
+    when either side is a GPU."""
+    if out is None and pin and t.numel():
         out = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
-    else:
+    elif out is None:
         out = empty_tensor(tuple(t.shape), t.dtype, device)
     if t.numel():
         copyable(out).copy_(copyable(t), non_blocking=pin or out.is_cuda)
@@ -132,11 +147,14 @@ def _short_memory_message(tensors: list[torch.Tensor], fell_back: bool = True) -
             "Free GPU memory, or pick mode='lazy' (and call wait_staged() before changing the state) or mode='host'")
 
 
-def capture(tensors: list[torch.Tensor], mode: AsyncMode | str, *, fall_back: bool = True) -> Captured:
+def capture(tensors: list[torch.Tensor], mode: AsyncMode | str, *, fall_back: bool = True,
+            kept_memory: bool = False) -> Captured:
     """Capture ``tensors`` for a background save in ``mode`` (see the module's docstring).
     Where a device snapshot does not fit, it streams the live tensors instead ("lazy", saying
     why in ``fallback``), or, without ``fall_back``, raises ``torch.cuda.OutOfMemoryError``
-    saying what to pick instead."""
+    saying what to pick instead. ``kept_memory``: a "host" snapshot in the process's kept
+    snapshot memory, which the caller gives back with ``finish()`` once the save has ended
+    (a caller that cannot tell when nothing reads the snapshot any more leaves it out)."""
     mode = AsyncMode.parse(mode)
     with torch.no_grad():
         if mode is AsyncMode.DEVICE:
@@ -150,7 +168,7 @@ def capture(tensors: list[torch.Tensor], mode: AsyncMode | str, *, fall_back: bo
             return captured
         if mode is AsyncMode.LAZY:
             return _lazy(tensors)
-        return _host(tensors)
+        return _host(tensors, kept_memory)
 
 
 def _lazy(tensors: list[torch.Tensor]) -> Captured:
@@ -169,11 +187,42 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _host(tensors: list[torch.Tensor]) -> Captured:
-    copies: list[torch.Tensor | None] = [None if t.is_cuda else _copy(t, CPU) for t in tensors]
+def _host(tensors: list[torch.Tensor], kept_memory: bool) -> Captured:
     cuda = [t for t in tensors if t.is_cuda]
+    block: Block | None = None
+    outs: list[torch.Tensor | None] = [None] * len(tensors)  # None: a new tensor
+    if kept_memory:
+        block, outs = _snapshot_memory(tensors, pinned=bool(cuda))
+    try:
+        return _host_copies(tensors, cuda, outs, block)
+    except BaseException:
+        if block is not None:
+            for device in {t.device for t in cuda}:
+                _side_stream(device).synchronize()  # no copy queued into the block still writes it
+            MEMORY.give_back(block)
+        raise
+
+
+def _snapshot_memory(tensors: list[torch.Tensor], pinned: bool) -> tuple[Block | None,
+                                                                         list[torch.Tensor | None]]:
+    """A block of the kept snapshot memory and each tensor's place in it (None: no elements)."""
+    offsets, size = layout(tensors)
+    if not size:
+        return None, [None] * len(tensors)
+    block = MEMORY.take(size, pinned)
+    outs: list[torch.Tensor | None] = []
+    for t, at in zip(tensors, offsets, strict=True):
+        nbytes = t.numel() * t.element_size()
+        outs.append(None if at is None else block.tensor[at : at + nbytes].view(t.dtype).view(tuple(t.shape)))
+    return block, outs
+
+
+def _host_copies(tensors: list[torch.Tensor], cuda: list[torch.Tensor], outs: list[torch.Tensor | None],
+                 block: Block | None) -> Captured:
+    copies: list[torch.Tensor | None] = [None if t.is_cuda else _copy(t, CPU, out=o)
+                                         for t, o in zip(tensors, outs, strict=True)]
     if not cuda:
-        return Captured([c for c in copies if c is not None], AsyncMode.HOST)
+        return Captured([c for c in copies if c is not None], AsyncMode.HOST, block=block)
     events: dict[torch.device, torch.cuda.Event] = {}
     for device in sorted({t.device for t in cuda}, key=str):
         stream = _side_stream(device)
@@ -181,7 +230,7 @@ def _host(tensors: list[torch.Tensor]) -> Captured:
         with torch.cuda.stream(stream):
             for i, t in enumerate(tensors):
                 if t.device == device:
-                    copies[i] = _copy(t, CPU, pin=True)
+                    copies[i] = _copy(t, CPU, pin=True, out=outs[i])
         event = torch.cuda.Event(blocking=True)  # the worker sleeps on it instead of spinning a core
         event.record(stream)
         events[device] = event
@@ -189,4 +238,4 @@ def _host(tensors: list[torch.Tensor]) -> Captured:
     GUARD.arm(held)
     filled = [c for c in copies if c is not None]
     assert len(filled) == len(tensors)
-    return Captured(filled, AsyncMode.HOST, ready=list(events.values()), copies=held, keep=cuda)
+    return Captured(filled, AsyncMode.HOST, ready=list(events.values()), copies=held, keep=cuda, block=block)

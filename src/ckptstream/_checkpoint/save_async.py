@@ -337,8 +337,8 @@ def _work(handle: SaveHandle, job: list[Any], cfg: Settings, progress: bool, the
         error = e
         _clear_frames(e)  # a kept error must not keep the snapshot alive
     finally:
-        if captured is not None and captured.copies is not None:
-            captured.copies.finish()  # nothing reads the state any more: the guard lets go
+        if captured is not None:
+            captured.finish()  # nothing reads the state any more: the guard lets go, the snapshot memory is kept
         plan = captured = None  # the snapshot's memory goes back before the completion runs
         handle._mark_staged()
         handle._earlier = None  # a failed save keeps no chain of older handles alive
@@ -369,7 +369,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
     handle = SaveHandle(target, mode, step)
     _reserve(handle, max_in_flight)
     try:
-        captured = capture(plan.tensors, mode)
+        captured = capture(plan.tensors, mode, kept_memory=True)
         if captured.fallback:
             warnings.warn(SnapshotFallbackWarning(captured.fallback), stacklevel=stacklevel)
         handle.mode = captured.mode
@@ -424,7 +424,9 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
                 hand-written ``p.data.add_()``) must come after ``handle.wait_staged()``, which
                 orders the current stream after the copies and returns at once. A loop may call
                 it just before ``optimizer.step()`` as in "lazy" mode: the update then waits on
-                the GPU for what is left of the copies, as it does with the hook alone.
+                the GPU for what is left of the copies, as it does with the hook alone. The
+                host memory is kept for the next "host" save of the same size
+                (``warm_host_snapshot``, ``release_host_snapshot``; docs/training.md).
         max_in_flight: at most this many saves of this process run at once, this one included;
             when they do, the call first waits for the oldest to end (backpressure). Saves of
             one path publish in call order: the path ends with the newest call's state (a save

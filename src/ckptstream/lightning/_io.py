@@ -13,6 +13,7 @@ from lightning.fabric.plugins import CheckpointIO
 from .._checkpoint.load import load, read_metadata
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
+from .._checkpoint.snapshot import release_host_snapshot
 from .._errors import NotACheckpointError, StorageOptionsError, UnsupportedPathError
 from .._format import header, sniff
 from .._storage import storage_for
@@ -168,11 +169,17 @@ class StreamCheckpointIO(CheckpointIO):
             storage.remove(given, missing_ok=True)
 
     def teardown(self) -> None:
-        """Wait for every background save; raises the first error of those that failed."""
+        """Wait for every background save; raises the first error of those that failed. In
+        "host" mode, then frees the snapshot memory kept for the next save
+        (``ckptstream.release_host_snapshot``): the host gets the state's size back."""
         try:
             self._guard.close()
         finally:
-            self.wait()
+            try:
+                self.wait()
+            finally:
+                if self.mode == "host":
+                    release_host_snapshot()
 
     # --- waiting ----------------------------------------------------------------------------------
 

@@ -11,9 +11,15 @@ with arbitrary objects. The policy:
   (key path, tag): ``AttributeDict``, ``argparse.Namespace`` (stored as dicts), ``pathlib`` paths,
   ``torch.dtype`` and ``torch.device`` (as str), ``torch.Size`` (as a tuple), and the
   ``_metadata`` of a ``state_dict`` (as JSON); every other subclass comes back as its base type;
+- a ``bool`` dict key (ckptstream's keys are str or int) is stored as its int, and the dict's
+  bool keys recorded under the tag "bool_keys", so that it comes back a ``bool``;
 - anything else (dataclasses, enums, sets, bytes, numpy arrays, any other object) is refused with
   its key path and how to make it plain, or, with ``allow_pickle``, pickled into a uint8 tensor
   and tagged "pickle": loading it runs code, so a load unpickles only with ``allow_pickle``.
+  An ``IntEnum`` or ``StrEnum`` member is an int or a str too, but stored as one it would come
+  back as a plain number or text, which a comparison with the enum's members may still accept
+  while ``type(...)``, ``isinstance`` and ``.name`` no longer do: it is refused like any enum. An
+  enum member as a dict key is refused with or without ``allow_pickle`` (keys are never pickled).
 
 Nothing here imports by a name read from a file: the tags name a fixed set of constructors.
 """
@@ -101,13 +107,18 @@ def _plain_leaf(value: Any, path: KeyPath, table: TypeTable, allow_pickle: bool)
 
 def _plain_dict(value: dict[Any, Any], path: KeyPath, table: TypeTable, allow_pickle: bool) -> dict[Any, Any]:
     out: dict[Any, Any] = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+    bool_keys: list[int] = []
     for key, item in value.items():
         plain_key = key if type(key) is str else _plain_key(key, path)
+        if type(key) is bool:
+            bool_keys.append(int(key))
         # the common leaves without a call: a state_dict holds many thousands of tensors
         out[plain_key] = item if type(item) in _AS_IS else _plain(item, (*path, plain_key), table, allow_pickle)
     if len(out) != len(value):  # two keys of different subclasses with one value
         raise UnsupportedTypeError(f"{key_path(path)}: two keys of this dict are equal as their base types "
                                    f"({sorted(map(repr, value))[:6]}); store it with distinct str or int keys")
+    if bool_keys:
+        table.append((path, "bool_keys", bool_keys))
     if isinstance(value, FabricAttributeDict):
         table.append((path, "AttributeDict", None))
     metadata = getattr(value, "_metadata", None) if type(value) is collections.OrderedDict else None
@@ -117,12 +128,21 @@ def _plain_dict(value: dict[Any, Any], path: KeyPath, table: TypeTable, allow_pi
 
 
 def _plain_key(key: Any, path: KeyPath) -> str | int:
+    """The stored key: a bool as its int (``_plain_dict`` records it), a subclass of str or int
+    as its base value; raises UnsupportedTypeError for any other key, an enum member among them."""
     if type(key) in (str, int):
         return key  # type: ignore[no-any-return]
-    if isinstance(key, (str, int)) and not isinstance(key, (bool, enum.Enum)):
+    if type(key) is bool:
+        return int(key)
+    if isinstance(key, enum.Enum):
+        raise UnsupportedTypeError(f"{key_path(path)}: dict key {key!r} is a member of the enum {_type_name(key)}; "
+                                   "a checkpoint's dict keys must be str, int or bool, and an enum member stored as "
+                                   "its value would come back as a plain str or int: use key.name as the key (and "
+                                   f"{type(key).__qualname__}[name] where it is read) in on_save_checkpoint")
+    if isinstance(key, (str, int)):
         return str(key) if isinstance(key, str) else int(key)
     raise UnsupportedTypeError(f"{key_path(path)}: dict key {key!r} is a {_type_name(key)}; a checkpoint's dict "
-                               "keys must be str or int: convert the key (e.g. str(key)) in on_save_checkpoint")
+                               "keys must be str, int or bool: convert the key (e.g. str(key)) in on_save_checkpoint")
 
 
 def _json_payload(metadata: Any, path: KeyPath) -> Any:
@@ -149,7 +169,11 @@ def _how_to_make_plain(value: Any) -> str:
     if dataclasses.is_dataclass(value):
         return "store dataclasses.asdict(value) and rebuild the dataclass where it is read"
     if isinstance(value, enum.Enum):
-        return "store value.name (or value.value) and look the member up where it is read"
+        how = f"store value.name and look the member up where it is read ({type(value).__qualname__}[name])"
+        for base in (int, str):  # an IntEnum, IntFlag or StrEnum member: why not as the value it also is
+            if isinstance(value, base):
+                return f"{how}: stored as the {base.__name__} it also is, it would come back as a plain {base.__name__}"
+        return how
     if isinstance(value, (set, frozenset)):
         return "store sorted(value) as a list"
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -274,6 +298,20 @@ def _state_dict_metadata(value: Any, payload: Any) -> Any:
     return value
 
 
+def _bool_keys(value: Any, payload: Any) -> Any:
+    """The dict with its int keys 0 and 1 named in ``payload`` as False and True again, in
+    their order (in place: a restored type around it stays)."""
+    if not (isinstance(value, dict) and type(payload) is list and payload
+            and len(set(payload)) == len(payload) == len([k for k in payload if type(k) is int and k in (0, 1)])):
+        return None
+    items = list(value.items())
+    if sum(type(k) is int and k in payload for k, _ in items) != len(payload):
+        return None
+    value.clear()
+    value.update((bool(k) if type(k) is int and k in payload else k, v) for k, v in items)
+    return value
+
+
 def _size(value: Any, payload: Any) -> Any:
     return torch.Size(value) if type(value) is tuple and all(type(v) is int for v in value) else None
 
@@ -302,4 +340,5 @@ def _device(value: Any, payload: Any) -> Any:
 
 _RESTORE: dict[str, Callable[[Any, Any], Any]] = {
     "AttributeDict": _attribute_dict, "Namespace": _namespace, "state_dict_metadata": _state_dict_metadata,
+    "bool_keys": _bool_keys,
     "torch.Size": _size, "pickle": _unpickle, "path": _path, "torch.dtype": _dtype, "torch.device": _device}
