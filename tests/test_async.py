@@ -661,6 +661,25 @@ def test_host_mode_keeps_its_snapshot_memory_for_the_next_save_of_the_same_size(
     assert ckptstream.release_host_snapshot() == 0
 
 
+def test_a_host_save_whose_thread_cannot_start_gives_its_snapshot_memory_back(
+        tmp_path: Path, blocks: Blocks, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = training_state(1 << 16)
+    real = save_async.control.start
+
+    def refuse(thread: threading.Thread, what: str) -> None:
+        raise ckptstream.ThreadStartError(f"ckptstream could not start {what}: can't start new thread")
+
+    monkeypatch.setattr(save_async.control, "start", refuse)
+    with pytest.raises(ckptstream.ThreadStartError):
+        ckptstream.save_async(state, tmp_path / "a.safetensors", mode="host")
+    monkeypatch.setattr(save_async.control, "start", real)
+    assert save_async.in_flight() == []
+    assert not (tmp_path / "a.safetensors").exists()
+    ckptstream.save_async(state, tmp_path / "a.safetensors", mode="host").result()
+    assert blocks.made == [(snapshot_size(state), False)]  # the failed save's block was given back, then reused
+    assert_file_of(tmp_path / "a.safetensors", state, tmp_path)
+
+
 def test_warm_host_snapshot_pays_before_the_first_save(tmp_path: Path, blocks: Blocks) -> None:
     state = training_state(1 << 16)
     assert ckptstream.warm_host_snapshot(state) == snapshot_size(state)

@@ -42,7 +42,7 @@ from .._engine import control
 from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
-from .capture import BY_VALUE_BYTES, MODES, AsyncMode, capture
+from .capture import BY_VALUE_BYTES, MODES, AsyncMode, Captured, capture
 from .guard import HostCopies
 from .save import plan_checkpoint, write_checkpoint
 
@@ -368,6 +368,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
     plan = plan_checkpoint(state, metadata, checksum)  # bad input raises here; leaves captured now
     handle = SaveHandle(target, mode, step)
     _reserve(handle, max_in_flight)
+    captured: Captured | None = None
     try:
         captured = capture(plan.tensors, mode, kept_memory=True)
         if captured.fallback:
@@ -377,13 +378,17 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
         if captured.staged and captured.copies is None:
             handle._mark_staged()
         job = [plan.with_tensors(captured.tensors), captured]
-        del plan, captured
+        del plan
         thread = threading.Thread(target=_work, args=(handle, job, cfg, progress, then),
                                   name=f"ckptstream-save-{next(_names)}", daemon=True)
         handle._thread = thread
         control.start(thread, f"the background save of {target}")
+        captured = None  # the worker ends it
     except BaseException:
         _unreserve(handle)
+        if captured is not None:  # no worker will: its copies done, the guard and the snapshot memory let go
+            captured.copied()
+            captured.finish()
         raise
     if handle.mode != mode:  # the device snapshot did not fit: the live tensors are read now
         handle.wait_staged()
