@@ -23,6 +23,7 @@ import torch
 import ckptstream
 from ckptstream import Settings
 from ckptstream._checkpoint import capture, save, save_async, snapshot
+from ckptstream._engine import control
 from ckptstream._engine.write import WriteEngine
 from tests.helpers import engine_threads, random_tensor
 from tests.resume.trainutil import detached, differences, run_child, start_child
@@ -664,15 +665,15 @@ def test_host_mode_keeps_its_snapshot_memory_for_the_next_save_of_the_same_size(
 def test_a_host_save_whose_thread_cannot_start_gives_its_snapshot_memory_back(
         tmp_path: Path, blocks: Blocks, monkeypatch: pytest.MonkeyPatch) -> None:
     state = training_state(1 << 16)
-    real = save_async.control.start
+    real = control.start
 
     def refuse(thread: threading.Thread, what: str) -> None:
         raise ckptstream.ThreadStartError(f"ckptstream could not start {what}: can't start new thread")
 
-    monkeypatch.setattr(save_async.control, "start", refuse)
+    monkeypatch.setattr(control, "start", refuse)
     with pytest.raises(ckptstream.ThreadStartError):
         ckptstream.save_async(state, tmp_path / "a.safetensors", mode="host")
-    monkeypatch.setattr(save_async.control, "start", real)
+    monkeypatch.setattr(control, "start", real)
     assert save_async.in_flight() == []
     assert not (tmp_path / "a.safetensors").exists()
     ckptstream.save_async(state, tmp_path / "a.safetensors", mode="host").result()
