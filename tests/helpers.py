@@ -281,9 +281,14 @@ def open_fds() -> dict[int, str]:
     return fds
 
 
+# the process's one S3 deadline watchdog: made at the first S3 request, asleep on a condition,
+# holding nothing (``_storage/s3deadline.py``)
+WATCHDOG = "ckptstream-s3-deadlines"
+
+
 def engine_threads() -> list[threading.Thread]:
     """Threads of ckptstream's engines still alive (they are named ``ckptstream-...``)."""
-    return [t for t in threading.enumerate() if t.name.startswith("ckptstream")]
+    return [t for t in threading.enumerate() if t.name.startswith("ckptstream") and t.name != WATCHDOG]
 
 
 @dataclasses.dataclass

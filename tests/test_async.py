@@ -494,6 +494,7 @@ def test_gpu_copies_follow_earlier_work_and_precede_later_work(mode: str, tmp_pa
 def test_gpu_device_mode_holds_a_snapshot_only_while_saving(tmp_path: Path, gate: threading.Event) -> None:
     w = random_tensor(1 << 24, device="cuda")  # 64 MiB
     expected = w.cpu().clone()
+    gc.collect()  # an earlier test's GPU tensors held in a cycle would be freed in the middle
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ckptstream.save_async({"w": w}, tmp_path / "ckpt.safetensors")

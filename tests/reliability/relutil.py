@@ -15,13 +15,13 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckptstream._engine.buffers import POOL
+from tests import helpers
 from tests.helpers import child_env
 
 HERE = Path(__file__).resolve().parent
@@ -146,7 +146,7 @@ def fd_count() -> int:
 
 def engine_threads() -> list[str]:
     """Names of ckptstream's engine threads still alive (they are named ``ckptstream-...``)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("ckptstream")]
+    return [t.name for t in helpers.engine_threads()]
 
 
 def rss_kib() -> int:
