@@ -1,6 +1,6 @@
 """Host-mode saves on a GPU: what the call blocks for, the first save of a process against later ones
 and against one after warm_host_snapshot (a 4 GiB state of 32 CUDA tensors). Run from the
-repository root on a GPU machine: python scripts/host-snapshot-warm.py (docs/training.md).
+repository root on a GPU machine: python scripts/host-snapshot-warm.py (docs/training.md)."""
 import os, time, torch, ckptstream
 D = os.environ.get("HW_DIR", "/tmp/hostwarm"); os.makedirs(D, exist_ok=True)
 state = {f"t{i:02d}": torch.randn(32 << 20, device="cuda") for i in range(32)}  # 32 x 128 MiB
