@@ -25,12 +25,8 @@ exits with saves in flight waits for them at shutdown and says so on stderr.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
 import os
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -42,6 +38,7 @@ from .._engine import control
 from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
 from .._settings import LegacyKeywords, Settings, per_call
 from .._storage import storage_for
+from . import exiting
 from .capture import BY_VALUE_BYTES, MODES, AsyncMode, Captured, capture
 from .guard import HostCopies
 from .save import plan_checkpoint, write_checkpoint
@@ -179,7 +176,7 @@ _names = itertools.count()
 def _reserve(handle: SaveHandle, max_in_flight: int) -> None:
     """Wait until fewer than ``max_in_flight`` saves are in flight, raise an uncollected error
     of an earlier save, and count ``handle`` in."""
-    global _hooked
+    global _hooked, _exit_hook_of_threading
     with _cond:
         while len(_in_flight) >= max_in_flight:
             _cond.wait()
@@ -190,7 +187,7 @@ def _reserve(handle: SaveHandle, max_in_flight: int) -> None:
             _in_flight.append(handle)
         if not _hooked:
             _hooked = True
-            _register_exit_hook()
+            _exit_hook_of_threading = exiting.register(_at_exit)
     if failed:
         first = failed[0]
         also = f" (and {len(failed) - 1} more: {[h.path for h in failed[1:]]})" if len(failed) > 1 else ""
@@ -245,15 +242,6 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def say_at_exit(line: str) -> None:
-    """A line on stderr straight away: at interpreter exit, logging may be shut down already."""
-    try:
-        sys.stderr.write(f"ckptstream: {line}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):  # stderr closed: nothing else can be told
-        pass
-
-
 def _at_exit() -> None:
     """Wait for the saves still in flight (saying so), and report every failed save whose error
     nobody collected: a checkpoint is never lost without a word."""
@@ -261,57 +249,26 @@ def _at_exit() -> None:
         return
     try:  # a Ctrl-C anywhere in here (also while a line is written) abandons what is left
         for handle in in_flight():
-            say_at_exit(f"waiting for the background save of {handle.path} to finish before exiting "
+            exiting.say(f"waiting for the background save of {handle.path} to finish before exiting "
                         "(Ctrl-C abandons it)")
             # in slices: a Ctrl-C that the kernel hands to another thread only sets a flag, which
             # this thread sees when it returns to Python, never while it sleeps in one long wait
             while not handle._done.wait(0.1):
                 pass
             if handle._error is None:
-                say_at_exit(f"{handle.path} is saved")
+                exiting.say(f"{handle.path} is saved")
     except KeyboardInterrupt:
         for left in in_flight():
-            say_at_exit(f"abandoned the background save of {left.path}: it was NOT published "
+            exiting.say(f"abandoned the background save of {left.path}: it was NOT published "
                         "(its temp file is removed by a later save of that path)")
-        _end_interrupted()
+        exiting.end_interrupted(_exit_hook_of_threading)
         return
     with _cond:
         failed = list(_uncollected)
         _uncollected.clear()
     for handle in failed:
-        say_at_exit(f"the background save of {handle.path} FAILED and was NOT published: "
+        exiting.say(f"the background save of {handle.path} FAILED and was NOT published: "
                     f"{type(handle._error).__name__}: {handle._error}")
-
-
-def _end_interrupted() -> None:
-    """End the process as Python ends one that a Ctrl-C interrupted: the atexit hooks run, then
-    the process kills itself with SIGINT (exit status 130 in a shell, which then stops a script
-    that ran it), never with status 0 as if all had gone well."""
-    if _exit_hook_of_threading:  # the atexit hooks have not run yet (inside them, they are running)
-        run_hooks = getattr(atexit, "_run_exitfuncs", None)
-        if run_hooks is not None:
-            run_hooks()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced
-            stream.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-    os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
-
-
-def _register_exit_hook() -> None:
-    # CPython joins non-daemon threads, then runs atexit hooks: threading's own hook runs before
-    # that join, where waiting can still be announced. The workers are daemon threads, so an
-    # abandoned save (a second Ctrl-C) does not keep the process alive.
-    global _exit_hook_of_threading
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError
-        register(_at_exit)
-        _exit_hook_of_threading = True
-    except RuntimeError:
-        atexit.register(_at_exit)
 
 
 # --- starting a save --------------------------------------------------------------------------

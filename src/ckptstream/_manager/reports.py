@@ -12,14 +12,10 @@ the process as an interrupted one, without the shutdown that would abort.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
-import signal
-import sys
 import threading
 
-from .._checkpoint.save_async import say_at_exit
+from .._checkpoint import exiting
 from .._engine import control
 
 _lock = threading.Lock()
@@ -32,26 +28,14 @@ def start(thread: threading.Thread, what: str | None, role: str) -> None:
     """Start ``thread`` (a daemon), which tells the other ranks ``what``; exit waits for it (and
     says so, unless ``what`` is None: no other rank waits). ``role`` names the thread in the
     ThreadStartError raised where it cannot start."""
-    global _hooked
+    global _hooked, _in_threading_hook
     with _lock:
         _running[:] = [(t, w) for t, w in _running if t.is_alive()]
         _running.append((thread, what))
         if not _hooked:
             _hooked = True
-            _hook()
+            _in_threading_hook = exiting.register(_at_exit)
     control.start(thread, role)
-
-
-def _hook() -> None:
-    global _in_threading_hook
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError
-        register(_at_exit)
-        _in_threading_hook = True
-    except RuntimeError:  # already shutting down (or no such hook): the atexit hooks still run
-        atexit.register(_at_exit)
 
 
 def _at_exit() -> None:
@@ -60,27 +44,13 @@ def _at_exit() -> None:
     try:
         for thread, what in running:
             if what is not None and thread.is_alive():
-                say_at_exit(f"waiting to tell the other ranks {what} before exiting (at most the manager's "
+                exiting.say(f"waiting to tell the other ranks {what} before exiting (at most the manager's "
                             "timeout; Ctrl-C abandons it)")
             while thread.is_alive():  # in slices: a Ctrl-C is seen between them
                 thread.join(0.1)
     except KeyboardInterrupt:
-        say_at_exit("abandoned telling the other ranks: they wait until the manager's timeout")
-        _end_interrupted()
-
-
-def _end_interrupted() -> None:
-    """End the process as an interrupted one (the atexit hooks run, then SIGINT: status 130),
-    never through the shutdown that the abandoned thread would abort."""
-    run_hooks = getattr(atexit, "_run_exitfuncs", None)
-    if _in_threading_hook and run_hooks is not None:
-        run_hooks()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced
-            stream.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-    os._exit(128 + signal.SIGINT)  # only where the signal could not end the process
+        exiting.say("abandoned telling the other ranks: they wait until the manager's timeout")
+        exiting.end_interrupted(_in_threading_hook)
 
 
 def _forget_after_fork() -> None:
