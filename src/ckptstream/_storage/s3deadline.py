@@ -204,23 +204,20 @@ def pool_classes() -> dict[str, Any]:
         AWSHTTPSConnectionPool,
     )
 
-    class WatchedConnection(AWSHTTPConnection):  # type: ignore[misc]
+    class Watched:  # before the connection class: its connect and request call watch first
         def connect(self) -> None:
             watch(self)
-            super().connect()
+            super().connect()  # type: ignore[misc]
 
         def request(self, *args: Any, **kwargs: Any) -> Any:
             watch(self)
-            return super().request(*args, **kwargs)
+            return super().request(*args, **kwargs)  # type: ignore[misc]
 
-    class WatchedTLSConnection(AWSHTTPSConnection):  # type: ignore[misc]
-        def connect(self) -> None:
-            watch(self)
-            super().connect()
+    class WatchedConnection(Watched, AWSHTTPConnection):  # type: ignore[misc]
+        pass
 
-        def request(self, *args: Any, **kwargs: Any) -> Any:
-            watch(self)
-            return super().request(*args, **kwargs)
+    class WatchedTLSConnection(Watched, AWSHTTPSConnection):  # type: ignore[misc]
+        pass
 
     class Pool(AWSHTTPConnectionPool):  # type: ignore[misc]
         ConnectionCls = WatchedConnection
