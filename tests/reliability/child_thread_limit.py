@@ -25,6 +25,7 @@ import torch
 
 import ckptstream
 from ckptstream._engine.buffers import POOL
+from tests.helpers import open_fds
 
 STACK = 128 << 20  # each new thread's stack
 SLACK = 64 << 20  # what a transfer maps besides thread stacks (staging, a mapped file, tensors)
@@ -40,15 +41,8 @@ def vm_size() -> int:
 
 
 def file_fds() -> list[str]:
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
-            out.append(target)
-    return sorted(out)
+    """The files (not devices, pipes or sockets) this process holds open."""
+    return sorted(t for t in open_fds().values() if t.startswith("/") and not t.startswith(("/dev/", "/proc/")))
 
 
 def limited(call: Callable[[], Any], threads: int) -> BaseException | None:
