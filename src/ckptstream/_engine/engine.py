@@ -11,6 +11,7 @@ storage target (a ``Sink`` to write, a ``Source`` to read), which says the grid 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -103,9 +104,9 @@ class Engine(Generic[T]):
         self.streams.begin()
         count = min(self.cfg.io_threads, len(self._buffers) or len(self.chunks))
         name = f"ckptstream-{'write' if self.writing else 'read'}-{next(_ENGINES)}"
-        for i in range(count):
+        for i, take in enumerate(self.claims(count)):
             own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
-            thread = threading.Thread(target=self._thread, args=(own,), name=f"{name}-{i}", daemon=True)
+            thread = threading.Thread(target=self._thread, args=(own, take), name=f"{name}-{i}", daemon=True)
             self._threads.append(thread)  # before it starts: an interrupt right after must find it
             try:
                 control.start(thread, f"I/O thread {i + 1} of {count} for {self.file.name}")
@@ -168,13 +169,24 @@ class Engine(Generic[T]):
         """How many chunks go through staging buffers (all, unless an engine moves some without)."""
         return len(self.chunks)
 
-    def _thread(self, own: list[StagingBuffer | None]) -> None:
+    def claims(self, count: int) -> list[Callable[[], Chunk | None]]:
+        """Per I/O thread, how it takes its next chunk (None: no more): here each thread takes
+        the next chunk in file order."""
+        def take() -> Chunk | None:
+            with self._claim_lock:
+                return None if self.failure.stopped else next(self._claim, None)
+        return [take] * count
+
+    def thread_io(self) -> contextlib.AbstractContextManager[object]:
+        """What an I/O thread holds while it runs (an engine may open a reader of its own)."""
+        return contextlib.nullcontext()
+
+    def _thread(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None]) -> None:
         chunk = None
         try:
-            with self.streams.copying():
+            with self.streams.copying(), self.thread_io():
                 for buf in itertools.cycle(own):
-                    with self._claim_lock:
-                        chunk = None if self.failure.stopped else next(self._claim, None)
+                    chunk = take()
                     if chunk is None:
                         return
                     self._move(chunk, buf)

@@ -13,10 +13,12 @@ by a chunk's end waits in a carry until the next chunk completes it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -84,6 +86,7 @@ class ReadEngine(Engine[Source]):
         # chunks read straight into host tensors: no staging buffer, no second copy (where the
         # source reads anywhere: a grid's whole blocks need the aligned staging buffers)
         self._unstaged = [self.grid == 1 and _host_runs(c, self.host) for c in self.chunks]
+        self._local = threading.local()  # per I/O thread: its reader
 
     def _device_spans(self) -> dict[int, tuple[int, int]]:
         """Per device piece of several spans whose spans the device can checksum: the range of
@@ -108,15 +111,44 @@ class ReadEngine(Engine[Source]):
     def staged_chunks(self) -> int:
         return self._unstaged.count(False)
 
+    def claims(self, count: int) -> list[Callable[[], Chunk | None]]:
+        """Each thread reads one contiguous range of the chunks, in order, on a reader of its
+        own: the kernel's readahead then follows every thread's sequential stream (a disk's
+        rate, where chunks taken in turn on one descriptor got less; docs/benchmarks.md).
+        Chunks of non-contiguous tensors keep the turns (their copies go in file order across
+        the threads, which ranges would serialise), and so do sources without such readers
+        (an object store: a ranged request per chunk wherever it lies)."""
+        if count <= 1 or self._carry_order.any or self.grid != 1 or not self.file.sequential_readers:
+            return super().claims(count)
+        ranges = _split(self.chunks, count)
+
+        def taker(chunks: Iterator[Chunk]) -> Callable[[], Chunk | None]:
+            return lambda: None if self.failure.stopped else next(chunks, None)
+        return [taker(iter(r)) for r in ranges]
+
+    @contextlib.contextmanager
+    def thread_io(self) -> Iterator[object]:
+        reader = self.file.reader()
+        self._local.reader = reader
+        try:
+            yield reader
+        finally:
+            del self._local.reader
+            if reader is not self.file:
+                reader.close()
+
+    def _source(self) -> Source:
+        """This thread's reader (the source itself outside the I/O threads)."""
+        return getattr(self._local, "reader", self.file)
+
     def tune(self, cfg: Settings, file: Source, pieces: Sequence[Piece]) -> Settings:
-        """A load into host memory from a file the page cache holds is bound by memory copies,
-        not by the disk: then more readers (hot_io_threads, up to the cores), the same staging
-        split among them. (Loads into a device keep the configured few large buffers: more
-        readers with smaller buffers loaded no faster into a GPU, with more copies and events.)"""
+        """A load from a file the page cache holds is bound by memory copies, not by the disk:
+        then more readers (hot_io_threads, up to the cores), the same staging split among them
+        (into a GPU too: each byte crosses host memory three times, and more readers keep
+        more of its bandwidth busy; docs/benchmarks.md)."""
         threads = min(cfg.hot_io_threads, os.cpu_count() or 1)
         moved = [p for p in pieces if p.hi > p.lo]
-        if (threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved
-                or any(p.tensor is not None and p.tensor.device.type != "cpu" for p in moved)):
+        if threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved:
             return cfg
         begin, end = min(p.offset for p in moved), max(p.end for p in moved)
         if end - begin < HOT_FROM or (file.resident_fraction(begin, end - begin) or 0) < HOT_SHARE:
@@ -188,7 +220,7 @@ class ReadEngine(Engine[Source]):
             end = pos + part.hi - part.lo
         for pos, views in runs:
             nbytes = sum(len(v) for v in views)
-            got = self.file.readv_into(views, pos)
+            got = self._source().readv_into(views, pos)
             if got < nbytes:
                 self._truncated(pos + got)
         if self.checksum:
@@ -234,7 +266,7 @@ class ReadEngine(Engine[Source]):
         ignored)."""
         origin, grid = chunk.origin, self.grid
         lo, hi = round_down(chunk.start, grid), round_up(chunk.stop, grid)
-        got = self.file.read_into(buf.view[lo - origin : hi - origin], lo)
+        got = self._source().read_into(buf.view[lo - origin : hi - origin], lo)
         if lo + got < chunk.stop:  # the file ends at lo + got
             self._truncated(lo + got)
 
@@ -265,6 +297,18 @@ class ReadEngine(Engine[Source]):
         return out
 
 
+def _split(chunks: Sequence[Chunk], count: int) -> list[Sequence[Chunk]]:
+    """``chunks`` (in file order) cut into ``count`` contiguous runs of about equal bytes."""
+    total = sum(c.stop - c.start for c in chunks)
+    cuts, done = [0], 0
+    for i, c in enumerate(chunks):
+        done += c.stop - c.start
+        if len(cuts) < count and done * count >= total * len(cuts):
+            cuts.append(i + 1)
+    cuts.append(len(chunks))
+    return [chunks[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+
+
 def _host_runs(chunk: Chunk, host: list[memoryview | None]) -> bool:
     """Whether every part of the chunk is a host tensor's, in file order without overlap (holes
     are fine: each run of back-to-back parts is one read)."""
@@ -289,6 +333,11 @@ class _CarryOrder:
         self._turn = next(self._next, None)
         self._cv = threading.Condition()
         self._failure = failure
+
+    @property
+    def any(self) -> bool:
+        """Whether any chunk holds parts of non-contiguous tensors."""
+        return bool(self._ordered)
 
     def wait(self, index: int) -> bool:
         """Whether chunk ``index`` has such copies; if so, wait for its turn."""

@@ -21,7 +21,7 @@ import dataclasses
 import errno
 import posixpath
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from .._settings import DirectIO
 
@@ -164,6 +164,18 @@ class Source(Target):
             if got < len(view):
                 break
         return done
+
+    # whether each I/O thread should read one contiguous range through its own ``reader``
+    # (a local file's readahead follows such streams); else the threads take chunks in turn
+    sequential_readers: ClassVar[bool] = False
+
+    def reader(self) -> Source:
+        """A reader of the same bytes for one I/O thread, closed by that thread when it is done
+        (``close``). A local file gives each thread a descriptor of its own, with readahead
+        advised: the kernel then follows each thread's sequential stream instead of one mixed
+        stream. Elsewhere the source itself (a thread closes only a reader that is not its
+        source)."""
+        return self
 
     def resident_fraction(self, offset: int, length: int) -> float | None:
         """The fraction of bytes offset..offset+length already in memory (a local file's page

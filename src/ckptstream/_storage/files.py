@@ -211,6 +211,8 @@ class AtomicSink(FileSink):
 class FileSource(_Descriptor, Source):
     """Positional reads of an open file (a checkpoint, or the transfer primitive's file)."""
 
+    sequential_readers = True
+
     def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
         """O_DIRECT for reads under 'on' only (reads keep the page cache otherwise): whole
         aligned blocks then."""
@@ -231,6 +233,20 @@ class FileSource(_Descriptor, Source):
 
     def resident_fraction(self, offset: int, length: int) -> float | None:
         return fileio.resident_fraction(self.fd, offset, length)
+
+    def reader(self) -> Source:
+        """A new open file description of the file for one thread (buffered reads only: an
+        O_DIRECT read has no readahead), advised sequential; the source itself where the file
+        cannot be reopened (no /proc)."""
+        if self._in_use is not None:
+            return self
+        try:
+            fd = fileio.reopen(self.fd, os.O_RDONLY)
+        except OSError:
+            return self
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return FileSource(fd, self.path, owned=True, name=self.name)
 
     def map(self, offset: int, length: int) -> Mapping:
         return Mapping(self.fd, offset, length, self.path)

@@ -1,0 +1,164 @@
+"""Loads read one contiguous range of chunks per I/O thread, each thread on a descriptor of its
+own (advised sequential), so that readahead follows every thread's stream: the bytes arrive
+exact at any split, every range is read once, the descriptors are closed after a load that
+succeeds or fails, and a source that cannot be reopened is read through itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstream
+from ckptstream import Settings
+from ckptstream._engine import read
+from ckptstream._engine.plan import Chunk
+from ckptstream._storage import fileio
+from ckptstream._storage.files import FileSource
+from tests.helpers import open_fds, random_tensor
+
+
+def chunks_of(sizes: list[int]) -> list[Chunk]:
+    out, at = [], 0
+    for i, n in enumerate(sizes):
+        out.append(Chunk(index=i, start=at, stop=at + n, origin=at, parts=[]))
+        at += n
+    return out
+
+
+@pytest.mark.parametrize(("sizes", "count"), [([8] * 17, 4), ([8] * 3, 8), ([1, 50, 1, 1, 1], 2), ([5], 3),
+                                         ([3, 9, 4, 4, 8, 1, 7], 3)])
+def test_the_ranges_cover_every_chunk_once_in_file_order(sizes: list[int], count: int) -> None:
+    chunks = chunks_of(sizes)
+    ranges = read._split(chunks, count)
+    assert [c.index for r in ranges for c in r] == list(range(len(chunks)))  # contiguous, in order, once
+    assert 1 <= len(ranges) <= count
+    assert all(ranges)
+    if len(set(sizes)) == 1 and len(sizes) >= count:  # equal chunks: ranges differ by one chunk at most
+        assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+def state_of(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    # sizes that cut elements across 64 KiB chunks, and tensors smaller than a chunk
+    return {"a": random_tensor(100_003), "b": random_tensor((301, 77), dtype=torch.float16),
+            "c": random_tensor(5, dtype=torch.int64), "d": random_tensor(65_537, dtype=torch.bfloat16)}
+
+
+def spy_readers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Record each reader opened: its thread, and whether it is a descriptor of its own."""
+    seen: list[tuple[str, bool]] = []
+    real = FileSource.reader
+
+    def spy(self: FileSource) -> object:
+        r = real(self)
+        seen.append((threading.current_thread().name, r is not self and r.fd != self.fd))  # type: ignore[attr-defined]
+        return r
+
+    monkeypatch.setattr(FileSource, "reader", spy)
+    return seen
+
+
+def test_each_thread_reads_its_range_on_its_own_descriptor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = state_of(1)
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(state, path)
+    ranges_read: dict[str, list[int]] = {}
+    real_move = read.ReadEngine._move
+
+    def spy_move(self: read.ReadEngine, chunk: Chunk, buf: object) -> None:
+        ranges_read.setdefault(threading.current_thread().name, []).append(chunk.index)
+        real_move(self, chunk, buf)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(read.ReadEngine, "_move", spy_move)
+    seen = spy_readers(monkeypatch)
+    before = open_fds()
+    cfg = Settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, hot_io_threads=4, direct_io="off")
+    loaded = ckptstream.load(path, mmap=False, settings=cfg)
+    for name, t in state.items():
+        assert loaded[name].dtype == t.dtype, name
+        assert torch.equal(loaded[name], t), name
+    assert len({name for name, _ in seen}) == 4, seen
+    assert all(own for _, own in seen), seen
+    # each thread's chunks are one contiguous run, and together they are every chunk once
+    runs = sorted(ranges_read.values())
+    assert sorted(i for r in runs for i in r) == list(range(sum(map(len, runs))))
+    assert all(r == list(range(r[0], r[0] + len(r))) for r in runs)
+    assert len(runs) == 4
+    assert set(open_fds()) <= set(before)  # every reader closed
+
+
+def test_a_failed_load_closes_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(state_of(2), path)
+    calls = {"n": 0}
+
+    def failing(real: Callable[..., int]) -> Callable[..., int]:
+        def read_or_fail(fd: int, views: object, offset: int, p: str) -> int:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise OSError(5, "Input/output error (planted)", p)
+            return real(fd, views, offset, p)
+        return read_or_fail
+
+    monkeypatch.setattr(fileio, "pread_into", failing(fileio.pread_into))
+    monkeypatch.setattr(fileio, "preadv_all", failing(fileio.preadv_all))
+    seen = spy_readers(monkeypatch)
+    before = open_fds()
+    cfg = Settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, hot_io_threads=4, direct_io="off")
+    with pytest.raises(OSError, match="planted"):
+        ckptstream.load(path, mmap=False, settings=cfg)
+    assert len(seen) == 4
+    assert set(open_fds()) <= set(before)
+
+
+def test_a_source_that_cannot_be_reopened_is_read_through_itself(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    state = state_of(3)
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(state, path)
+
+    def refuse(fd: int, flags: int) -> int:
+        raise PermissionError(13, "no /proc here (planted)")
+
+    monkeypatch.setattr(fileio, "reopen", refuse)
+    before = open_fds()
+    cfg = Settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, hot_io_threads=4, direct_io="off")
+    loaded = ckptstream.load(path, mmap=False, settings=cfg)
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name
+    assert set(open_fds()) <= set(before)
+
+
+def test_an_open_file_the_caller_passes_is_reopened_for_reading_only(tmp_path: Path) -> None:
+    """file_to_device on the caller's descriptor: the threads' readers are new descriptors of
+    the same file; the caller's stays open and where it was."""
+    data = random_tensor(300_001)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data.numpy().tobytes())
+    out = torch.empty_like(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.lseek(fd, 17, os.SEEK_SET)
+        with ckptstream.settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, direct_io="off"):
+            ckptstream.file_to_device(fd, out, offset=0)
+        assert torch.equal(out, data)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 17
+    finally:
+        os.close(fd)
+
+
+def test_non_contiguous_tensors_keep_the_turns(tmp_path: Path) -> None:
+    """Their copies go in file order across the threads: chunks are taken in turn, not in ranges."""
+    state = {"t": random_tensor((64, 1000)).t(), "u": random_tensor(50_000)}
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(state, path)
+    target = {"t": torch.empty(64, 1000).t(), "u": torch.empty(50_000)}  # non-contiguous, as saved
+    with ckptstream.settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, direct_io="off"):
+        ckptstream.load_into(target, path)
+    assert torch.equal(target["t"], state["t"])
+    assert torch.equal(target["u"], state["u"])
