@@ -1,6 +1,6 @@
-"""A load whose file the page cache holds gets more readers (hot_io_threads, up to the cores),
-the same staging split among them, into host memory and into a GPU alike; the tensors arrive
-byte-exact."""
+"""A load into host memory whose file the page cache holds gets more readers (hot_io_threads,
+up to the cores), the same staging split among them; a load into a GPU keeps io_threads. The
+tensors arrive byte-exact either way."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def spy_tune(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
     return chosen
 
 
-def test_a_hot_load_gets_more_readers(tmp_path: Path, device: torch.device,
+def test_a_hot_load_into_host_memory_gets_more_readers(tmp_path: Path, device: torch.device,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no more readers to give")
@@ -43,8 +43,11 @@ def test_a_hot_load_gets_more_readers(tmp_path: Path, device: torch.device,
     with ckptstream.settings(io_threads=1, num_buffers=2, buffer_size=8 << 20, hot_io_threads=2):
         loaded = ckptstream.load(path, device=device, mmap=False)
     assert chosen
-    assert chosen[-1].io_threads == 2, chosen
-    assert chosen[-1].buffer_size * chosen[-1].num_buffers <= 16 << 20  # the same staging, split
+    if device.type == "cpu":
+        assert chosen[-1].io_threads == 2, chosen
+        assert chosen[-1].buffer_size * chosen[-1].num_buffers <= 16 << 20  # the same staging, split
+    else:
+        assert chosen[-1].io_threads == 1, chosen
     for name, t in state.items():
         assert loaded[name].device.type == device.type
         assert torch.equal(loaded[name].cpu(), t)

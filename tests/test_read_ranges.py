@@ -18,6 +18,7 @@ from ckptstream import Settings
 from ckptstream._engine import read
 from ckptstream._engine.plan import Chunk
 from ckptstream._storage import fileio
+from ckptstream._storage import files as files_mod
 from ckptstream._storage.files import FileSource
 from tests.helpers import open_fds, random_tensor
 
@@ -98,11 +99,11 @@ def test_a_failed_load_closes_every_reader(tmp_path: Path, monkeypatch: pytest.M
     calls = {"n": 0}
 
     def failing(real: Callable[..., int]) -> Callable[..., int]:
-        def read_or_fail(fd: int, views: object, offset: int, p: str) -> int:
+        def read_or_fail(fd: int, views: object, offset: int, p: str, *request: int | None) -> int:
             calls["n"] += 1
             if calls["n"] == 5:
                 raise OSError(5, "Input/output error (planted)", p)
-            return real(fd, views, offset, p)
+            return real(fd, views, offset, p, *request)
         return read_or_fail
 
     monkeypatch.setattr(fileio, "pread_into", failing(fileio.pread_into))
@@ -162,3 +163,55 @@ def test_non_contiguous_tensors_keep_the_turns(tmp_path: Path) -> None:
         ckptstream.load_into(target, path)
     assert torch.equal(target["t"], state["t"])
     assert torch.equal(target["u"], state["u"])
+
+
+def test_a_threads_reader_asks_for_read_request_bytes_at_most(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks larger than READ_REQUEST are read in calls of at most that many bytes (the
+    readahead each call starts runs on while the thread is busy), into staging buffers and
+    straight into host tensors alike; the bytes arrive exact."""
+    monkeypatch.setattr(files_mod, "READ_REQUEST", 48 << 10)
+    torch.manual_seed(4)
+    state = {"a": random_tensor(300_007), "b": random_tensor((70, 1001), dtype=torch.float16),
+             "c": random_tensor(3, dtype=torch.int8)}
+    path = tmp_path / "ckpt.safetensors"
+    ckptstream.save(state, path)
+    asked: list[int] = []
+    real = os.preadv
+
+    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if threading.current_thread().name.startswith("ckptstream-read"):
+            asked.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    cfg = Settings(buffer_size=256 << 10, num_buffers=4, io_threads=2, hot_io_threads=2, direct_io="off")
+    for into_host in (True, False):
+        asked.clear()
+        if into_host:
+            loaded = ckptstream.load(path, mmap=False, settings=cfg)
+        else:
+            loaded = {k: torch.empty_like(v) for k, v in state.items()}
+            ckptstream.load_into(loaded, path, settings=cfg)
+        for name, t in state.items():
+            assert torch.equal(loaded[name], t), (name, into_host)
+        assert asked
+        assert max(asked) <= 48 << 10, (into_host, max(asked))
+
+
+@pytest.mark.parametrize("request_bytes", [1, 7, 4096, 10_000, 1 << 20])
+def test_preadv_all_in_requests_fills_every_view(tmp_path: Path, request_bytes: int) -> None:
+    data = os.urandom(123_457)
+    path = tmp_path / "bytes"
+    path.write_bytes(data)
+    sizes = [1, 0, 5000, 33, 70_000, 48_500]  # the last one runs past the end of the file
+    views = [memoryview(bytearray(b"\xa5" * n)) for n in sizes]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = fileio.preadv_all(fd, views, 100, str(path), request_bytes)
+        one = memoryview(bytearray(30_001))
+        assert fileio.pread_into(fd, one, 9, str(path), request_bytes) == 30_001
+    finally:
+        os.close(fd)
+    assert got == len(data) - 100
+    assert b"".join(bytes(v) for v in views)[:got] == data[100:]
+    assert bytes(one) == data[9:30_010]

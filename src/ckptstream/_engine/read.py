@@ -142,13 +142,14 @@ class ReadEngine(Engine[Source]):
         return getattr(self._local, "reader", self.file)
 
     def tune(self, cfg: Settings, file: Source, pieces: Sequence[Piece]) -> Settings:
-        """A load from a file the page cache holds is bound by memory copies, not by the disk:
-        then more readers (hot_io_threads, up to the cores), the same staging split among them
-        (into a GPU too: each byte crosses host memory three times, and more readers keep
-        more of its bandwidth busy; docs/benchmarks.md)."""
+        """A load into host memory from a file the page cache holds is bound by memory copies,
+        not by the disk: then more readers (hot_io_threads, up to the cores), the same staging
+        split among them. (Loads into a device keep the configured few large buffers: more
+        readers with smaller buffers loaded no faster into a GPU, with more copies and events.)"""
         threads = min(cfg.hot_io_threads, os.cpu_count() or 1)
         moved = [p for p in pieces if p.hi > p.lo]
-        if threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved:
+        if (threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved
+                or any(p.tensor is not None and p.tensor.device.type != "cpu" for p in moved)):
             return cfg
         begin, end = min(p.offset for p in moved), max(p.end for p in moved)
         if end - begin < HOT_FROM or (file.resident_fraction(begin, end - begin) or 0) < HOT_SHARE:

@@ -123,12 +123,13 @@ def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Read into ``view`` from ``offset`` until it is full or the file ends; returns bytes read."""
+def pread_into(fd: int, view: memoryview, offset: int, path: str, request: int | None = None) -> int:
+    """Read into ``view`` from ``offset`` until it is full or the file ends (in calls of at most
+    ``request`` bytes where given); returns bytes read."""
     done = 0
     while done < len(view):
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, [view[done : done + request] if request else view[done:]], offset + done)
         except OSError as e:
             raise os_error(e, f"reading {len(view) - done} bytes at offset {offset + done}", path) from e
         if n == 0:
@@ -140,13 +141,16 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def preadv_all(fd: int, views: Sequence[memoryview], offset: int, path: str) -> int:
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int, path: str, request: int | None = None) -> int:
     """Read into ``views`` one after another from ``offset`` (few calls for many small
-    buffers) until all are full or the file ends; returns bytes read."""
+    buffers, each of at most ``request`` bytes where given) until all are full or the file
+    ends; returns bytes read."""
     done, total = 0, sum(len(v) for v in views)
     first, skip = 0, 0  # the first view not yet full, and how much of it is
     while done < total:
         batch = [views[first][skip:], *views[first + 1 : first + IOV_MAX]]
+        if request:
+            batch = _first_bytes(batch, request)
         try:
             n = os.preadv(fd, batch, offset + done)
         except OSError as e:
@@ -160,6 +164,17 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int, path: str) -> 
             first += 1
         skip = n
     return done
+
+
+def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
+    """The views that hold the first ``count`` bytes of ``views``, the last one cut."""
+    out = []
+    for view in views:
+        if count <= 0:
+            break
+        out.append(view[:count])
+        count -= len(out[-1])
+    return out
 
 
 def resident_fraction(fd: int, offset: int, length: int) -> float | None:

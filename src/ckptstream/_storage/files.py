@@ -208,10 +208,14 @@ class AtomicSink(FileSink):
             os.close(fd)
 
 
+READ_REQUEST = 2 << 20  # the fastest cold reads on a virtual disk: docs/benchmarks.md
+
+
 class FileSource(_Descriptor, Source):
     """Positional reads of an open file (a checkpoint, or the transfer primitive's file)."""
 
     sequential_readers = True
+    request: int | None = None  # the most bytes one read call asks for (None: all at once)
 
     def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
         """O_DIRECT for reads under 'on' only (reads keep the page cache otherwise): whole
@@ -226,18 +230,20 @@ class FileSource(_Descriptor, Source):
         fd = self._in_use
         if fd is not None and not offset % ALIGN and not len(view) % ALIGN and fileio.aligned_like(view, offset, ALIGN):
             return fileio.pread_into(fd, view, offset, self.path)
-        return fileio.pread_into(self.fd, view, offset, self.path)
+        return fileio.pread_into(self.fd, view, offset, self.path, self.request)
 
     def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
-        return fileio.preadv_all(self.fd, views, offset, self.path)
+        return fileio.preadv_all(self.fd, views, offset, self.path, self.request)
 
     def resident_fraction(self, offset: int, length: int) -> float | None:
         return fileio.resident_fraction(self.fd, offset, length)
 
     def reader(self) -> Source:
         """A new open file description of the file for one thread (buffered reads only: an
-        O_DIRECT read has no readahead), advised sequential; the source itself where the file
-        cannot be reopened (no /proc)."""
+        O_DIRECT read has no readahead), advised sequential, reading in calls of READ_REQUEST
+        bytes: the readahead each call starts then runs on while the thread is busy (a whole
+        chunk in one call waits for all of it); the source itself where the file cannot be
+        reopened (no /proc)."""
         if self._in_use is not None:
             return self
         try:
@@ -246,7 +252,9 @@ class FileSource(_Descriptor, Source):
             return self
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return FileSource(fd, self.path, owned=True, name=self.name)
+        reader = FileSource(fd, self.path, owned=True, name=self.name)
+        reader.request = READ_REQUEST
+        return reader
 
     def map(self, offset: int, length: int) -> Mapping:
         return Mapping(self.fd, offset, length, self.path)
