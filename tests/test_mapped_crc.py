@@ -45,7 +45,7 @@ def three_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 def many_tensors() -> dict[str, torch.Tensor]:
     """More tensors than a batch of those made between two of the caller's tasks (so the caller
     takes tasks while it builds), large ones (each a task's piece), a tensor of several pieces,
-    small ones between (the caller's own), and a last tensor that is large."""
+    small ones between (the caller's own), and one of another dtype."""
     state: dict[str, torch.Tensor] = {}
     for i in range(3 * _mapped.BATCH):
         state[f"w{i:03d}"] = random_tensor((10 * KiB + i,) if i % 5 else (9 + i,))
@@ -68,9 +68,11 @@ def where_to_flip(path: Path) -> list[tuple[str, int]]:
         lo, hi = header[name]["data_offsets"]
         return name, start + (lo + delta if delta >= 0 else hi + delta)
 
-    return [at("w000", 0), at("w001", 0), at("w002", -1), at(f"w{_mapped.BATCH + 1:03d}", 77),
+    in_file = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    first, second, last = in_file[0], in_file[1], in_file[-1]  # the writer orders them its own way
+    return [at(first, 0), at(second, 0), at(second, -1), at(in_file[_mapped.BATCH + 1], 77),
             at("split", _mapped.PIECE - 1), at("split", _mapped.PIECE), at("split", 2 * _mapped.PIECE),
-            at("last", 0), at("last", -1)]
+            at(last, 0), at(last, -1), at("last", 5)]
 
 
 @pytest.mark.parametrize("pages", ["as they are", "never resident"])
