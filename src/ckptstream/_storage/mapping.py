@@ -62,13 +62,13 @@ class Mapping:
         return hi > lo and _c().madvise(self.addr + start, hi - start, advice) == 0
 
     def resident(self, lo: int, hi: int) -> bool:
-        """Whether the pages at both ends of bytes [lo, hi) (SAMPLE bytes each) are in the page
-        cache, a sample: asking about every page costs a fair share of reading them. False
-        where the kernel cannot tell (it may then report only the pages mapped here)."""
-        if hi <= lo:
-            return True
-        ends = (lo, hi - SAMPLE) if hi - lo > 2 * SAMPLE else (lo,)
-        return all(self._in_cache(a, min(a + SAMPLE, hi)) for a in ends)
+        """Whether the pages at both ends of bytes [lo, hi) (SAMPLE bytes each, or all of a
+        shorter range) are in the page cache: a sample, since the kernel answers page by page,
+        and it is asked before the checksums start. False where the kernel cannot tell (it may
+        then report only the pages mapped here)."""
+        if hi - lo <= 2 * SAMPLE:
+            return hi <= lo or self._in_cache(lo, hi)
+        return self._in_cache(lo, lo + SAMPLE) and self._in_cache(hi - SAMPLE, hi)
 
     def _in_cache(self, lo: int, hi: int) -> bool:
         start = round_down(lo, mmap.PAGESIZE)
