@@ -398,13 +398,21 @@ def test_span_checksums_of_every_kind_of_piece(small_pieces: None) -> None:
         buffer = region
 
         def prefetch(self, lo: int, hi: int) -> bool:
-            calls.append("prefetch")
+            calls.append(f"prefetch {lo}")
             return False
 
-    crcs, out = _mapped.span_crcs(Region(), spans, 3, meanwhile=lambda: "built")
+        def resident(self, lo: int, hi: int) -> bool:
+            return lo % 2 == 0  # some tasks' pages in the page cache, others not
+
+    def build(share: Any) -> str:
+        share()
+        return "built"
+
+    crcs, out = _mapped.span_crcs(Region(), spans, 3, meanwhile=build)
     assert out == "built"
     assert crcs == [_checksum.crc_of(data[lo:hi]) for lo, hi in spans]
-    assert calls  # the threads' tasks brought their pages in
+    assert calls
+    assert all(int(c.split()[1]) % 2 for c in calls)  # only the tasks not resident were brought in
     crcs, out = _mapped.span_crcs(Region(), spans, 1)
     assert out is None
     assert crcs == [_checksum.crc_of(data[lo:hi]) for lo, hi in spans]

@@ -7,8 +7,10 @@ writable) of the file, and its pages come from the page cache when first touched
 tensors stay in this process. With checksums, every tensor's CRC-32C is computed over the mapped
 bytes at load time, several threads taking tasks of a few MiB of the data section in file order
 (large tensors cut into pieces whose CRCs are combined) while the caller's thread makes the
-tensors and the state, then joins them; so a corrupt tensor is reported before the state is
-returned, and every byte has been read once. Without, nothing is read up front.
+tensors and the state, taking a task of its own between batches of tensors, then joins them; so
+a corrupt tensor is reported before the state is returned, and every byte has been read once.
+Pages already in the page cache are read as they are (fault-around maps many per fault); the
+others are brought in a task at a time first. Without checksums, nothing is read up front.
 
 The mapping is the source's (``Source.map``: a local file maps, holding the file but no
 descriptor); it is unmapped when the last tensor backed by it is freed. A storage that cannot
@@ -42,6 +44,7 @@ TASK = 4 << 20  # bytes a thread takes at a time (runs of small tensors grouped 
 # enough that the threads end together, large enough that each call brings in many pages
 RELEASES_GIL = 32 << 10  # the checksum of this many bytes or more releases the GIL (crc32c's rule)
 THREADED_FROM = 8 << 20  # fewer bytes in large pieces are checksummed in the caller's thread
+BATCH = 64  # tensors made between two of the caller's checksum tasks while the others run
 T = TypeVar("T")
 
 
@@ -95,9 +98,13 @@ def mapped_load(path: str, source: Source, header: Header, device: torch.device,
         raise TruncatedFileError(path, header.data_start, header.data_bytes, max(0, size - header.data_start))
     base = header.data_start - start
 
-    def tensors() -> T:
+    def tensors(share: Callable[[], None] = lambda: None) -> T:
+        made: dict[str, torch.Tensor] = {}
         with _gc.paused():
-            return build({t.name: _tensor(mapping, t, base + t.begin) for t in infos})
+            for lo in range(0, len(infos), BATCH):
+                made.update({t.name: _tensor(mapping, t, base + t.begin) for t in infos[lo:lo + BATCH]})
+                share()
+            return build(made)
 
     with progress_bar(progress, header.data_bytes, f"load {os.path.basename(path)}") as bar:
         if checksum and header.crcs is not None:
@@ -126,69 +133,99 @@ def threads(io_threads: int, hot_io_threads: int) -> int:
 
 def span_crcs(mapping: Region, spans: Sequence[tuple[int, int]], nthreads: int,
               bar: Callable[[int], None] | None = None, *,
-              meanwhile: Callable[[], T] | None = None, name: str = "the mapping") -> tuple[list[int], T | None]:
+              meanwhile: Callable[[Callable[[], None]], T] | None = None,
+              name: str = "the mapping") -> tuple[list[int], T | None]:
     """The CRC-32C of each byte span [lo, hi) of the mapping (spans in file order, back to back
-    or not), and what ``meanwhile()`` returns. ``name`` names the file in messages.
+    or not), and what ``meanwhile(share)`` returns, where ``meanwhile`` calls ``share()`` now
+    and then. ``name`` names the file in messages.
 
     Checksum calls over large pieces release the GIL, over small ones they hold it. So the
     other threads (up to ``nthreads`` in all) take only tasks of large pieces (contiguous runs
-    of about TASK bytes in file order, each brought in with one call), while this thread runs
-    ``meanwhile`` (Python work), checksums the small pieces, then takes the tasks left: a thread
-    that holds the GIL for long never keeps another from its next large piece for long.
+    of about TASK bytes in file order), while this thread runs ``meanwhile`` (Python work),
+    checksums the small pieces, then takes the tasks left: a thread that holds the GIL for long
+    never keeps another from its next large piece for long. A thread back from a checksum call
+    waits for the GIL while this thread runs Python (up to the switch interval), so each
+    ``share()`` checksums one task here, whose calls hand the GIL to the waiting threads for
+    their next pieces: the threads checksum while the state is made. A task whose pages are not
+    in the page cache is brought in with one call first (large reads); one whose pages are is
+    read as it is: its reads fault the pages in many at a time, for less than that call costs.
     """
     parts = _pieces(spans)
     small, tasks, nthreads = _shares(parts, nthreads)
-    crcs = [0] * len(parts)
-    view = memoryview(mapping.buffer).cast("B")
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    taken = itertools.count()  # the next task: next() on it is atomic under the GIL
-
-    def checksum(ks: Sequence[int]) -> None:
-        for k in ks:
-            if stop.is_set():
-                return
-            _, lo, hi = parts[k]
-            crcs[k] = _checksum.crc_of(view[lo:hi])
-            if bar is not None:
-                bar(hi - lo)
-
-    def work() -> None:
-        try:
-            while not stop.is_set():
-                t = next(taken)
-                if t >= len(tasks):
-                    return
-                ks = tasks[t]
-                # one call brings the task's pages in; where refused, the reads below fault them in
-                mapping.prefetch(parts[ks[0]][1], parts[ks[-1]][2])
-                checksum(ks)
-        except BaseException as e:  # handed to the caller's thread
-            errors.append(e)
-            stop.set()
-
-    workers = [threading.Thread(target=work, name=f"ckptstream-crc-{i}", daemon=True) for i in range(1, nthreads)]
-    started: list[threading.Thread] = []
+    run = _Run(mapping, parts, tasks, bar)
+    workers = [threading.Thread(target=run.work, name=f"ckptstream-crc-{i}", daemon=True) for i in range(1, nthreads)]
     out: T | None = None
     try:
         # a Ctrl-C here stops the workers and is raised once each started one is listed to join
-        with control.interrupts_deferred(stop.set):
+        with control.interrupts_deferred(run.stop.set):
             for i, w in enumerate(workers, 2):
                 control.start(w, f"checksum thread {i} of {nthreads} for {name}")
-                started.append(w)
+                run.started.append(w)
         try:
-            out = meanwhile() if meanwhile is not None else None
-            checksum(small)
+            out = meanwhile(run.share) if meanwhile is not None else None
+            run.checksum(small)
         except BaseException:
-            stop.set()
+            run.stop.set()
             raise
-        work()
+        run.work()
     finally:
-        control.join(started, on_interrupt=stop.set)  # each worker stops after its current piece
-    if errors:
-        raise errors[0]
-    folded = [(i, crc, hi - lo) for (i, lo, hi), crc in zip(parts, crcs, strict=True)]
+        control.join(run.started, on_interrupt=run.stop.set)  # each worker stops after its current piece
+    if run.errors:
+        raise run.errors[0]
+    folded = [(i, crc, hi - lo) for (i, lo, hi), crc in zip(parts, run.crcs, strict=True)]
     return _checksum.span_crcs(len(spans), [folded]), out
+
+
+class _Run:
+    """The checksums of one ``span_crcs``: the pieces' CRCs so far, the tasks any thread takes,
+    and the first error of a thread."""
+
+    def __init__(self, mapping: Region, parts: Sequence[tuple[int, int, int]], tasks: Sequence[Sequence[int]],
+                 bar: Callable[[int], None] | None) -> None:
+        self.mapping, self.parts, self.tasks, self.bar = mapping, parts, tasks, bar
+        self.view = memoryview(mapping.buffer).cast("B")
+        self.crcs = [0] * len(parts)
+        # asked here, before the threads start: a call that releases the GIL costs a thread that
+        # wants it back while another runs Python up to the switch interval
+        self.cold = [not mapping.resident(parts[ks[0]][1], parts[ks[-1]][2]) for ks in tasks]
+        self.taken = itertools.count()  # the next task: next() on it is atomic under the GIL
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.started: list[threading.Thread] = []
+
+    def checksum(self, ks: Sequence[int]) -> None:
+        for k in ks:
+            if self.stop.is_set():
+                return
+            _, lo, hi = self.parts[k]
+            self.crcs[k] = _checksum.crc_of(self.view[lo:hi])
+            if self.bar is not None:
+                self.bar(hi - lo)
+
+    def task(self) -> bool:
+        """Checksum the next task; False once none is left."""
+        t = next(self.taken)
+        if t >= len(self.tasks):
+            return False
+        ks = self.tasks[t]
+        if self.cold[t]:  # one call brings the pages in; where refused, the reads fault them in
+            self.mapping.prefetch(self.parts[ks[0]][1], self.parts[ks[-1]][2])
+        self.checksum(ks)
+        return True
+
+    def share(self) -> None:
+        """One task in the caller's thread, where other threads run (so they get the GIL)."""
+        if self.started and not self.stop.is_set():
+            self.task()
+
+    def work(self) -> None:
+        """Tasks until none is left or the run stops; an error stops the run, for the caller."""
+        try:
+            while not self.stop.is_set() and self.task():
+                pass
+        except BaseException as e:  # handed to the caller's thread
+            self.errors.append(e)
+            self.stop.set()
 
 
 def _pieces(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

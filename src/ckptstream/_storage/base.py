@@ -140,6 +140,10 @@ class Region(Protocol):
         """Bring bytes [lo, hi) of the mapping into memory now, in few calls (a hint); whether
         it was taken."""
 
+    def resident(self, lo: int, hi: int) -> bool:
+        """Whether bytes [lo, hi) look to be in memory already (a hint, maybe from a sample):
+        then reading them costs less than ``prefetch`` does."""
+
 
 class Source(Target):
     """A target opened for reading. As a context manager: closed when the block ends."""

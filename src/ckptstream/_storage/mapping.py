@@ -17,9 +17,11 @@ from typing import Any
 from .base import round_down
 from .fileio import os_error
 
-# MADV_POPULATE_READ (Linux 5.14): fault every page of a range in one call, far cheaper than one
-# fault per page. Older kernels refuse it (EINVAL): then the pages fault in as they are read.
+# MADV_POPULATE_READ (Linux 5.14): fault every page of a range in one call, which reads a range
+# not yet in the page cache in large requests. Older kernels refuse it (EINVAL): then the pages
+# fault in as they are read.
 MADV_POPULATE_READ = 22
+SAMPLE = 64 << 10  # bytes at each end of a range whose residency stands for the whole range's
 
 _libc: Any = None
 
@@ -34,6 +36,7 @@ def _c() -> Any:
                               ctypes.c_int64]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc
     return _libc
 
@@ -57,6 +60,20 @@ class Mapping:
         """madvise the mapped pages holding bytes [lo, hi) (of the mapping); whether it took."""
         start = round_down(lo, mmap.PAGESIZE)
         return hi > lo and _c().madvise(self.addr + start, hi - start, advice) == 0
+
+    def resident(self, lo: int, hi: int) -> bool:
+        """Whether the pages at both ends of bytes [lo, hi) (SAMPLE bytes each, or all of a
+        shorter range) are in the page cache: a sample, since the kernel answers page by page,
+        and it is asked before the checksums start. False where the kernel cannot tell (it may
+        then report only the pages mapped here)."""
+        if hi - lo <= 2 * SAMPLE:
+            return hi <= lo or self._in_cache(lo, hi)
+        return self._in_cache(lo, lo + SAMPLE) and self._in_cache(hi - SAMPLE, hi)
+
+    def _in_cache(self, lo: int, hi: int) -> bool:
+        start = round_down(lo, mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * -(-(hi - start) // mmap.PAGESIZE))()
+        return _c().mincore(self.addr + start, hi - start, vec) == 0 and bytes(vec).count(0) == 0
 
     def prefetch(self, lo: int, hi: int) -> bool:
         """Fault in the pages of bytes [lo, hi) in one call, where the kernel can."""
