@@ -1,5 +1,6 @@
 """What the write engine and the read engine share: the plan, the staging buffers, the I/O
-threads that each own some buffers and claim chunks in file order, the failure they share, and
+threads that each own some buffers and claim chunks (in file order, or in a read engine's
+ranges), the failure they share, and
 the way a transfer is started, waited on and cancelled from outside. They move bytes through a
 storage target (a ``Sink`` to write, a ``Source`` to read), which says the grid to plan on.
 
