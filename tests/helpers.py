@@ -259,7 +259,7 @@ def fail_on_call(k: int, real: Callable[..., Any], exc: Callable[[str], BaseExce
         with lock:
             n = next(calls)
         if n == k:
-            raise exc(args[-1])  # the storage.fileio primitives take the path last
+            raise exc(args[3])  # the storage.fileio primitives take (fd, view(s), offset, path, ...)
         return real(*args)
     return call
 
