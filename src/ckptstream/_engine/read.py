@@ -252,7 +252,11 @@ class ReadEngine(Engine[Source]):
         self.part_crcs[chunk.index] = crcs
 
     def _truncated(self, file_end: int) -> None:
-        """Report a file that ends at ``file_end`` for the whole read."""
+        """Report a file that ends at ``file_end`` for the whole read (or earlier, as its size
+        says now: a thread whose range starts past the end found nothing there, which does not
+        tell where the end is)."""
+        with contextlib.suppress(OSError):
+            file_end = min(file_end, self.file.size())
         begin, end = self.chunks[0].start, max(c.stop for c in self.chunks)
         raise TruncatedFileError(self.file.name, begin, end - begin, max(0, file_end - begin))
 
