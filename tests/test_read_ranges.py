@@ -5,6 +5,7 @@ succeeds or fails, and a source that cannot be reopened is read through itself."
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from collections.abc import Callable
@@ -135,19 +136,35 @@ def test_a_source_that_cannot_be_reopened_is_read_through_itself(tmp_path: Path,
     assert set(open_fds()) <= set(before)
 
 
-def test_an_open_file_the_caller_passes_is_reopened_for_reading_only(tmp_path: Path) -> None:
-    """file_to_device on the caller's descriptor: the threads' readers are new descriptors of
-    the same file; the caller's stays open and where it was."""
+def test_an_open_file_the_caller_passes_is_reopened_for_reading_only(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """file_to_device on the caller's read-write descriptor: the threads' readers are new,
+    read-only descriptors of the same file, closed afterwards; the caller's stays open and
+    where it was."""
     data = random_tensor(300_001)
     path = tmp_path / "raw.bin"
     path.write_bytes(data.numpy().tobytes())
     out = torch.empty_like(data)
+    modes: list[int] = []
+    real = FileSource.reader
+
+    def spy(self: FileSource) -> object:
+        r = real(self)
+        assert r is not self
+        assert os.path.samestat(os.fstat(r.fd), os.fstat(self.fd))  # type: ignore[attr-defined]
+        modes.append(fcntl.fcntl(r.fd, fcntl.F_GETFL) & os.O_ACCMODE)  # type: ignore[attr-defined]
+        return r
+
+    monkeypatch.setattr(FileSource, "reader", spy)
     fd = os.open(path, os.O_RDWR)
     try:
+        before = open_fds()
         os.lseek(fd, 17, os.SEEK_SET)
         with ckptstream.settings(buffer_size=64 << 10, num_buffers=4, io_threads=4, direct_io="off"):
             ckptstream.file_to_device(fd, out, offset=0)
         assert torch.equal(out, data)
+        assert modes == [os.O_RDONLY] * 4
+        assert set(open_fds()) <= set(before)
         assert os.lseek(fd, 0, os.SEEK_CUR) == 17
     finally:
         os.close(fd)

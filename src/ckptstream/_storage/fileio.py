@@ -177,16 +177,23 @@ def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
     return out
 
 
+def pages_in_memory(addr: int, size: int) -> bytes | None:
+    """Per page of the mapped bytes at ``addr`` (page-aligned), non-zero where it is in memory
+    (mincore); None where the kernel cannot tell."""
+    mincore = getattr(_libc(), "mincore", None)
+    if mincore is None:
+        return None
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    return bytes(vec) if mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0 else None
+
+
 def resident_fraction(fd: int, offset: int, length: int) -> float | None:
     """The fraction of the file's bytes offset..offset+length in the page cache (mincore over a
     private mapping: nothing is read); None where it cannot be told."""
-    mincore = getattr(_libc(), "mincore", None)
     start = round_down(offset, mmap.PAGESIZE)
     size = offset + length - start
-    if mincore is None or length <= 0:
+    if length <= 0:
         return None
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
     try:
         mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, offset=start)
     except (OSError, ValueError):
@@ -194,12 +201,12 @@ def resident_fraction(fd: int, offset: int, length: int) -> float | None:
     try:
         anchor = ctypes.c_char.from_buffer(mapped)  # its address; the mapping stays unread
         try:
-            ok = mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) == 0
+            pages = pages_in_memory(ctypes.addressof(anchor), size)
         finally:
             del anchor  # the mapping cannot close while a ctypes object points into it
     finally:
         mapped.close()
-    return (pages - bytes(vec).count(0)) / pages if ok else None
+    return None if pages is None else (len(pages) - pages.count(0)) / len(pages)
 
 
 @functools.cache

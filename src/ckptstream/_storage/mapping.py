@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from .base import round_down
-from .fileio import os_error
+from .fileio import os_error, pages_in_memory
 
 # MADV_POPULATE_READ (Linux 5.14): fault every page of a range in one call, which reads a range
 # not yet in the page cache in large requests. Older kernels refuse it (EINVAL): then the pages
@@ -36,7 +36,6 @@ def _c() -> Any:
                               ctypes.c_int64]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc
     return _libc
 
@@ -72,8 +71,8 @@ class Mapping:
 
     def _in_cache(self, lo: int, hi: int) -> bool:
         start = round_down(lo, mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * -(-(hi - start) // mmap.PAGESIZE))()
-        return _c().mincore(self.addr + start, hi - start, vec) == 0 and bytes(vec).count(0) == 0
+        pages = pages_in_memory(self.addr + start, hi - start)
+        return pages is not None and pages.count(0) == 0
 
     def prefetch(self, lo: int, hi: int) -> bool:
         """Fault in the pages of bytes [lo, hi) in one call, where the kernel can."""
