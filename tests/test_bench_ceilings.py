@@ -84,3 +84,37 @@ def test_a_hot_load_into_a_gpu_is_held_to_the_slower_of_the_page_cache_and_the_c
     figures = report.ceiling_figures([_result({"direct 1x64MiB": 2.0}, {"ranges 16x2MiB": 60.0}, h2d)])
     assert figures["hot_gpu"]["how"] == how
     assert figures["hot_gpu"]["gbps"] == pytest.approx(min(h2d, 60.0))
+
+
+def test_a_hot_load_into_a_gpu_is_held_to_the_best_pipeline_where_one_was_measured() -> None:
+    result = _result({"direct 1x64MiB": 2.0}, {"ranges 16x2MiB": 60.0}, 55.0)
+    result["pipeline"] = {"pinned 8x16MiB": [1 / 24.0], "pinned 16x64MiB": [1 / 31.0]}
+    figures = report.ceiling_figures([result])
+    assert figures["hot_gpu"]["how"] == "pinned 16x64MiB"
+    assert figures["hot_gpu"]["gbps"] == pytest.approx(31.0)
+    assert "pipeline" not in figures
+
+
+def test_the_pipeline_sweep_tries_the_engines_threads_and_deep_buffers() -> None:
+    assert ceilings.pipeline_probes([], 8 << 30) == []
+    labels = [p.label for p in ceilings.pipeline_probes([16], 8 << 30)]
+    assert labels == ["pinned 8x16MiB", "pinned 16x16MiB", "pinned 16x64MiB"]
+    assert [p.label for p in ceilings.pipeline_probes([1, 4], 8 << 30)] == [
+        "pinned 1x16MiB", "pinned 4x16MiB", "pinned 4x64MiB"]
+    small = ceilings.pipeline_probes([16], 32 * MiB)
+    assert small
+    assert all(p.threads * p.block <= 32 * MiB for p in small[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("threads", "block"), [(3, MiB), (16, 2 * MiB)])
+def test_the_pipeline_moves_every_byte_of_the_file_into_the_device(tmp_path: Path, threads: int, block: int) -> None:
+    import torch
+
+    nbytes = 7 * MiB + 4096 * 3  # a short last block
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "raw"
+    path.write_bytes(data.numpy().tobytes())
+    dst = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+    assert ceilings.pipeline_read(str(path), nbytes, Probe("pinned", threads, block), "cuda", dst=dst) > 0
+    assert torch.equal(dst.cpu(), data)

@@ -2,7 +2,9 @@
 (``probes``): raw sequential writes + fsync and cold raw reads, with O_DIRECT or through the page
 cache, blocks taken in turn or one contiguous range per thread with readahead, 1 to 64 threads,
 1 to 64 MiB; hot page-cache reads; host memory's copy rate; on a GPU the pinned device-to-host
-and host-to-device copy rates. No serialisation, no device copies.
+and host-to-device copy rates, and a hot load's own ceiling: the page cache -> pinned buffers ->
+device pipeline at its best (``pipeline_read``), each byte crossing host memory three times. No
+serialisation, no checksums, no tensors.
 
 ``run_ceilings`` is the worker's job that measures them all.
 """
@@ -124,7 +126,7 @@ class Probe:
     one contiguous range front to back in ``block`` reads, readahead advised: deep sequential
     streams, as the fastest loaders read)."""
 
-    how: str
+    how: str  # or "pinned": page cache -> two pinned buffers per thread -> device (pipeline_read)
     threads: int
     block: int
 
@@ -160,6 +162,21 @@ def probes(kind: str, threads: Sequence[int], hot_threads: Sequence[int], nbytes
     out: list[Probe] = []
     for how, t, b in wanted:
         probe = Probe(how, t, min(b, block_for(nbytes)))
+        if probe not in out and (t * probe.block <= nbytes or not out):
+            out.append(probe)
+    return out
+
+
+def pipeline_probes(hot_threads: Sequence[int], nbytes: int) -> list[Probe]:
+    """The sweep of a hot load into a GPU: each thread count x 16 MiB (and 8 threads, the
+    engine's default, where the machine has them), the most threads x 64 MiB."""
+    if not hot_threads:
+        return []
+    most = max(hot_threads)
+    wanted = [(t, 16 * MiB) for t in sorted({*hot_threads, *([8] if most >= 8 else [])})] + [(most, 64 * MiB)]
+    out: list[Probe] = []
+    for t, b in wanted:
+        probe = Probe("pinned", t, min(b, block_for(nbytes)))
         if probe not in out and (t * probe.block <= nbytes or not out):
             out.append(probe)
     return out
@@ -217,6 +234,53 @@ def raw_read(path: str, nbytes: int, probe: Probe) -> float:
         _close(*buffers)
 
 
+def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.Tensor | None = None) -> float:
+    """Seconds to move ``nbytes`` of ``path`` (in the page cache) into device memory: each thread
+    reads its blocks (taken in turn) into its two pinned buffers alternately, and copies each to
+    the device on a stream of its own while it reads the next. Into ``dst`` (uint8, where it
+    holds ``nbytes``) or a device ring of at most 1 GiB: no need for room for the whole state."""
+    block, threads = probe.block, probe.threads
+    ring = max(block, min(nbytes, 1 << 30) // block * block) if dst is None else dst.numel()
+    if dst is None:
+        dst = torch.empty(ring, dtype=torch.uint8, device=device)
+    # torch's pinned memory (its host allocator keeps it for the process: a ceilings job's own)
+    pins = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
+    views = [[memoryview(p.numpy()) for p in pair] for pair in pins]
+    streams = [torch.cuda.Stream(device) for _ in range(threads)]
+    turns = [0] * threads
+    pending: list[list[Any]] = [[None, None] for _ in range(threads)]
+    fd, _ = _open(path, os.O_RDONLY, direct=False)
+
+    def work(t: int, blk: tuple[int, int]) -> None:
+        off, length = blk
+        side = turns[t] % 2
+        turns[t] += 1
+        if pending[t][side] is not None:
+            pending[t][side].synchronize()  # the buffer's previous copy is done
+        buf, view, done = pins[t][side], views[t][side], 0
+        while done < length:
+            n = os.preadv(fd, [view[done:length]], off + done)
+            if n == 0:
+                break
+            done += n
+        at = off % ring if off % ring + done <= ring else 0
+        with torch.cuda.stream(streams[t]):
+            dst[at : at + done].copy_(buf[:done], non_blocking=True)
+            pending[t][side] = streams[t].record_event()
+
+    try:
+        start = time.perf_counter()
+        _parallel(_schedule(nbytes, probe, block), work)
+        for stream in streams:
+            stream.synchronize()
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+        torch.cuda.synchronize(device)
+        for view in (v for pair in views for v in pair):
+            view.release()
+
+
 def host_copy_rate(nbytes: int) -> float:
     """GB/s of a large memory copy in host memory, all cores (what a hot load into a GPU moves
     through host memory: page cache -> staging buffer, then the device reads the buffer)."""
@@ -255,18 +319,20 @@ def copy_rates(device: str, nbytes: int, chunk: int = 64 * MiB) -> dict[str, flo
 
 def group_of(kind: str) -> str:
     """The job's thread counts that a sweep uses (an empty list: that sweep is not run)."""
-    return "hot_threads" if kind == "hot" else "threads"
+    return "hot_threads" if kind in ("hot", "pipeline") else "threads"
 
 
 def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
     """Seconds of each probe of the raw write, cold read and hot read sweeps (``probes``),
     ``job["repeat"]`` times each, on all ranks at once; host memory's copy rate; and the pinned
-    copy rates on a GPU. The report takes the best probe of each as the ceiling."""
+    copy rates and the hot pipeline into it (``pipeline_read``) on a GPU. The report takes the
+    best probe of each as the ceiling."""
     nbytes, cold = spec_of(job, group).nbytes(), Cold(job["cold"])
     os.makedirs(job["dir"], exist_ok=True)
     path = os.path.join(job["dir"], f"raw.rank{group.rank}")
     sweeps = {kind: probes(kind, job["threads"], job["hot_threads"], nbytes) if job[group_of(kind)] else []
               for kind in ("write", "read", "hot")}
+    sweeps["pipeline"] = pipeline_probes(job["hot_threads"], nbytes) if group.cuda else []
     out: dict[str, Any] = {"bytes": nbytes, "block": block_for(nbytes), "resident": []}
     for kind, sweep in sweeps.items():
         out[kind] = {p.label: [] for p in sweep}
@@ -292,9 +358,10 @@ def run_ceilings(job: Job, group: Group) -> dict[str, Any]:
 
     try:
         for _ in range(job["repeat"]):
-            for kind, fn in (("write", write), ("read", cold_read), ("hot", partial(raw_read, path, nbytes))):
-                if kind == "hot" and sweeps["hot"]:  # fill the cache first
-                    raw_read(path, nbytes, max(sweeps["hot"], key=lambda p: p.threads))
+            for kind, fn in (("write", write), ("read", cold_read), ("hot", partial(raw_read, path, nbytes)),
+                             ("pipeline", lambda p: pipeline_read(path, nbytes, p, group.device))):
+                if kind in ("hot", "pipeline") and sweeps[kind]:  # fill the cache first
+                    raw_read(path, nbytes, max(sweeps[kind], key=lambda p: p.threads))
                 for probe in sweeps[kind]:
                     measure(kind, probe, partial(fn, probe))
         out["memory"] = host_copy_rate(nbytes)
