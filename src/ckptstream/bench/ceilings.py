@@ -245,7 +245,7 @@ def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.
         dst = torch.empty(ring, dtype=torch.uint8, device=device)
     # torch's pinned memory (its host allocator keeps it for the process: a ceilings job's own)
     pins = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
-    views = [[memoryview(p.numpy()) for p in pair] for pair in pins]
+    views = [[memoryview(p.numpy()).cast("B") for p in pair] for pair in pins]  # type: ignore[arg-type]
     streams = [torch.cuda.Stream(device) for _ in range(threads)]
     turns = [0] * threads
     pending: list[list[Any]] = [[None, None] for _ in range(threads)]
