@@ -1,0 +1,321 @@
+"""StreamState: an Accelerator's ``save_state`` / ``load_state`` written and read by ckptstream.
+
+Why a wrapper and not Accelerate's hooks alone: ``register_save_state_pre_hook`` hands over the
+model weights only. The optimizers, schedulers, samplers, GradScaler, RNG states and registered
+objects are written after the hook by ``save_accelerator_state`` and ``save_custom_state`` with
+``torch.save``, and no hook lets a caller take them over (nor return before they are written, as
+a background save must); ``register_load_state_pre_hook`` is the same on load. So the two
+methods of the one accelerator are replaced (on the instance: other accelerators, and the class,
+are untouched), and the registered pre-hooks still run where Accelerate runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._checkpoint.guard import Guard, StorageKey, storage_keys
+from .._checkpoint.load import load
+from .._checkpoint.save import save
+from .._checkpoint.save_async import MODES, SaveHandle, save_async
+from .._errors import IncompleteCheckpointError, NotACheckpointError, UnsupportedTypeError
+from . import _state
+
+__all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_file"]
+
+# what Accelerate's own saver writes (accelerate.utils.constants), to name a folder of its format
+ACCELERATE_FILES = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|(optimizer|scheduler|sampler|"
+                              r"dl_state_dict)(_\d+)?\.bin|scaler\.pt|random_states_\d+\.pkl|"
+                              r"custom_checkpoint_\d+\.pkl)$")
+_UNSUPPORTED = {"FSDP": "FSDP2 state is sharded: save it with torch.distributed.checkpoint and "
+                        "ckptstream.dcp.StreamWriter (docs/dcp.md)",
+                "DEEPSPEED": "DeepSpeed writes its engine's checkpoint itself",
+                "MEGATRON_LM": "Megatron-LM writes its model's checkpoint itself",
+                "XLA": "XLA tensors are not streamed by ckptstream"}
+
+
+def state_file(folder: str | os.PathLike[str], rank: int) -> Path:
+    """The file process ``rank`` writes into a checkpoint folder."""
+    return Path(folder) / f"ckptstream_state_{rank}.safetensors"
+
+
+class AccelerateFolderError(NotACheckpointError):
+    """A folder written by Accelerate's own saver (``files`` names what is there), given to a
+    ``StreamState``'s ``load_state``."""
+
+    def __init__(self, message: str, path: str, files: list[str]) -> None:
+        super().__init__(message, path, "accelerate")
+        self.files = files
+
+
+class _LiveRead:
+    """A "lazy" save still reading the live tensors: the guard waits for it where they change."""
+
+    def __init__(self, handle: SaveHandle, storages: frozenset[StorageKey]) -> None:
+        self.handle, self.storages = handle, storages
+
+    def order(self) -> None:
+        self.handle.wait_staged()
+
+    def done(self) -> bool:
+        return self.handle.staged()
+
+
+class StreamState:
+    """Make ``accelerator.save_state`` / ``load_state`` go through ckptstream.
+
+    ``StreamState(accelerator)`` replaces the two methods of that accelerator: each process then
+    writes one ckptstream file per checkpoint folder (``ckptstream_state_<rank>.safetensors``),
+    the main process's holding the models, optimizers, schedulers, sampler and dataloader states,
+    GradScaler and registered objects, every process's its RNG states and step: what Accelerate
+    itself saves, in its folders (``ProjectConfiguration(automatic_checkpoint_naming=True,
+    total_limit=...)`` included). ``close()`` (or the end of a ``with`` block) waits for the
+    background saves and gives the accelerator its own methods back.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (single process, DDP or multi-CPU).
+        mode: None saves before ``save_state`` returns (``ckptstream.save``); "device", "lazy" or
+            "host" save in the background (``ckptstream.save_async`` in that mode): the file
+            holds the state of the call. "lazy" waits before the next optimizer update (and a
+            training-mode forward of a module with saved buffers) until the state is copied out.
+        checksum: store a CRC-32C of every tensor (checked on load).
+        max_in_flight: at most this many background saves at once in the process.
+        load_device: where loaded tensors land before ``load_state_dict`` copies them in.
+
+    Raises:
+        UnsupportedTypeError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (they write
+            their own sharded state; for FSDP2 see ``ckptstream.dcp``).
+        ValueError: a mode or max_in_flight it does not take.
+    """
+
+    def __init__(self, accelerator: Any, mode: str | None = None, *, checksum: bool = True, max_in_flight: int = 1,
+                 load_device: str | torch.device = "cpu") -> None:
+        kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+        if kind in _UNSUPPORTED:
+            raise UnsupportedTypeError(f"StreamState: the accelerator runs {kind}: {_UNSUPPORTED[kind]}")
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"StreamState: mode must be None (synchronous) or one of {list(MODES)}, got {mode!r}")
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
+            raise ValueError(f"StreamState: max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        self.accelerator, self.mode, self.checksum = accelerator, mode, bool(checksum)
+        self.max_in_flight, self.load_device = max_in_flight, torch.device(load_device)
+        self._lock = threading.Lock()
+        self._saves: dict[str, SaveHandle] = {}  # background saves by the folder they write into
+        self._guard = Guard()
+        accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
+
+    def __enter__(self) -> StreamState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every background save (raising the first error) and give the accelerator
+        back its own ``save_state`` / ``load_state``. Safe to call twice."""
+        try:
+            self._guard.close()
+            self.wait()
+        finally:
+            for name in ("save_state", "load_state"):
+                if getattr(self.accelerator, name, None) == getattr(self, name):
+                    delattr(self.accelerator, name)
+
+    # --- save ---------------------------------------------------------------------------------------
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> Path:
+        """``Accelerator.save_state``, through ckptstream: returns the folder, as Accelerate does.
+
+        The folder is chosen as Accelerate chooses it: ``output_dir``, or with automatic naming
+        ``<project_dir>/checkpoints/checkpoint_<iteration>`` after removing the oldest folders
+        beyond ``total_limit`` (a background save still writing into one is waited for first).
+        ``safe_serialization`` is accepted and ignored: the files are always safetensors files.
+
+        Raises:
+            ValueError: with automatic naming, the folder of this iteration exists (as Accelerate).
+            UnsupportedTypeError: a value ckptstream does not store (in a registered object's
+                ``state_dict``), named by its key path, before any file is written.
+        """
+        acc = self.accelerator
+        if save_model_func_kwargs:
+            raise TypeError(f"StreamState.save_state: keyword arguments {sorted(save_model_func_kwargs)} are for "
+                            "DeepSpeed's save_checkpoint, which StreamState does not run")
+        folder = self._folder(output_dir)
+        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        for hook in acc._save_model_state_pre_hook.values():
+            hook(acc._models, weights, str(folder))
+        state: dict[str, Any] = {"rng": _state.rng_state(acc.step)}
+        if self._writes_shared():
+            state.update(_state.shared_state(acc, weights))
+        target = state_file(folder, acc.process_index)
+        self._wait_for(str(folder))  # an earlier save into the same folder publishes first
+        if self.mode is None:
+            save(state, target, checksum=self.checksum)
+        else:
+            handle = save_async(state, target, mode=self.mode, checksum=self.checksum,
+                                max_in_flight=self.max_in_flight)
+            with self._lock:
+                self._saves[str(folder)] = handle
+            if self.mode == "lazy" and not handle.staged():
+                self._guard.arm(_LiveRead(handle, storage_keys(_tensors(state))))
+        acc.project_configuration.iteration += 1
+        return folder
+
+    def _writes_shared(self) -> bool:
+        acc = self.accelerator
+        on_each_node = acc.project_configuration.save_on_each_node
+        return bool(acc.is_local_main_process if on_each_node else acc.is_main_process)
+
+    def _folder(self, output_dir: str | os.PathLike[str] | None) -> Path:
+        """Accelerate's choice of folder (``Accelerator.save_state``), and its ``total_limit``."""
+        acc, config = self.accelerator, self.accelerator.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError("StreamState.save_state: output_dir is None and automatic checkpoint naming is off")
+            os.makedirs(output_dir, exist_ok=True)
+            return Path(output_dir)
+        parent = os.path.join(acc.project_dir, "checkpoints")
+        os.makedirs(parent, exist_ok=True)
+        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent)), key=_number)
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
+            for old in folders[: len(folders) + 1 - config.total_limit]:
+                self._wait_for(old)  # never remove a folder a save still writes into
+                shutil.rmtree(old)
+        folder = os.path.join(parent, f"checkpoint_{acc.save_iteration}")
+        if os.path.exists(folder) and _holds_checkpoint_files(folder):  # a killed save's empty folder is reused
+            raise ValueError(f"Checkpoint directory {folder} ({acc.save_iteration}) already exists: set "
+                             "accelerator.project_configuration.iteration to the iteration to go on from")
+        acc.wait_for_everyone()
+        os.makedirs(folder, exist_ok=True)
+        return Path(folder)
+
+    # --- load ---------------------------------------------------------------------------------------
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """``Accelerator.load_state``, through ckptstream, once every background save has ended.
+
+        ``input_dir`` None with automatic naming loads the newest folder that holds every
+        process's file (a folder a killed save left without its file is passed over).
+        ``load_model_func_kwargs`` go to each model's ``load_state_dict`` (``strict=False``).
+        Everything is read and checked against the accelerator before any object is changed.
+
+        Raises:
+            AccelerateFolderError: the folder holds Accelerate's own files, not ckptstream's.
+            FileNotFoundError: no such folder, or no checkpoint file in it.
+            StateMismatchError: the checkpoint does not fit the accelerator (another number of
+                models or registered objects, a model key or shape, an optimizer's param group),
+                naming the part and key; nothing is loaded.
+            CorruptCheckpointError: a damaged file (a checksum, a truncated file).
+        """
+        acc = self.accelerator
+        self.wait()
+        folder = self._input_folder(input_dir)
+        models = list(acc._models)
+        for hook in acc._load_model_state_pre_hook.values():
+            hook(models, str(folder))
+        own = self._read(folder, acc.process_index)
+        shared_rank = acc.process_index - acc.local_process_index if acc.project_configuration.save_on_each_node else 0
+        shared = own if shared_rank == acc.process_index else self._read(folder, shared_rank)
+        if not all(part in shared for part in _state.SHARED):
+            raise IncompleteCheckpointError(f"{state_file(folder, shared_rank)} holds no model or optimizer state "
+                                            "(a file of a process that did not write them)")
+        strict = bool(load_model_func_kwargs.get("strict", True))
+        _state.check(acc, models, shared, strict, str(folder))
+        _state.apply(acc, models, shared, load_model_func_kwargs)
+        acc.step = own["rng"]["step"]
+        _state.set_rng_state(own["rng"])
+
+    def _read(self, folder: Path, rank: int) -> Any:
+        path = state_file(folder, rank)
+        if not path.is_file():
+            _refuse_folder(folder, path)
+        return load(path, device=self.load_device, checksum=self.checksum, mmap=False)
+
+    def _input_folder(self, input_dir: str | os.PathLike[str] | None) -> Path:
+        acc = self.accelerator
+        if input_dir is not None:
+            folder = Path(os.path.expanduser(os.fspath(input_dir)))
+            if not folder.is_dir():
+                raise FileNotFoundError(f"Tried to find {folder} but folder does not exist")
+            return folder
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        parent = os.path.join(acc.project_dir, "checkpoints")
+        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent)), key=_number) if os.path.isdir(
+            parent) else []
+        for candidate in reversed(folders):
+            if all(state_file(candidate, r).is_file() for r in range(acc.num_processes)):
+                return Path(candidate)
+        if folders:
+            _refuse_folder(Path(folders[-1]), state_file(folders[-1], acc.process_index))
+        raise FileNotFoundError(f"{parent}: no checkpoint folder to load")
+
+    # --- waiting ------------------------------------------------------------------------------------
+
+    def wait_staged(self) -> None:
+        """Make the state safe to change from here on (as ``SaveHandle.wait_staged``, for every
+        background save): a change the guard's hooks do not see comes after this."""
+        self._guard.order()
+        with self._lock:
+            handles = list(self._saves.values())
+        for handle in handles:
+            handle.wait_staged()
+
+    def wait(self) -> None:
+        """Wait for every background save to end; raises the first error of those that failed."""
+        with self._lock:
+            folders = list(self._saves)
+        first: BaseException | None = None
+        for folder in folders:
+            try:
+                self._wait_for(folder)
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _wait_for(self, folder: str) -> None:
+        with self._lock:
+            handle = self._saves.pop(folder, None)
+        if handle is not None:
+            handle.result()
+
+
+def _number(folder: str) -> int:
+    """Accelerate's order of checkpoint folders: the last number in the name."""
+    found = re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)
+    return int(found[0]) if found else -1
+
+
+def _holds_checkpoint_files(folder: str) -> bool:
+    return any(f.startswith("ckptstream_state_") or ACCELERATE_FILES.match(f) for f in os.listdir(folder))
+
+
+def _refuse_folder(folder: Path, missing: Path) -> None:
+    theirs = sorted(f for f in os.listdir(folder) if ACCELERATE_FILES.match(f)) if folder.is_dir() else []
+    if theirs:
+        raise AccelerateFolderError(
+            f"{folder} was written by Accelerate's own save_state ({', '.join(theirs)}), not through ckptstream (no "
+            f"{missing.name}): load it once with the accelerator's own load_state (StreamState(...).close() gives it "
+            "back, or load before creating the StreamState), then save_state through ckptstream; torch.load runs code "
+            "from those .bin/.pkl files: only for folders you trust", str(folder), theirs)
+    raise FileNotFoundError(f"{folder}: no ckptstream checkpoint here ({missing.name} is missing): a save that did not "
+                            "finish, or not a checkpoint folder")
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
