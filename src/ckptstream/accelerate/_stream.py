@@ -183,15 +183,18 @@ class StreamState:
             return Path(output_dir)
         parent = os.path.join(acc.project_dir, "checkpoints")
         os.makedirs(parent, exist_ok=True)
-        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent)), key=_number)
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
-            for old in folders[: len(folders) + 1 - config.total_limit]:
-                self._wait_for(old)  # never remove a folder a save still writes into
-                shutil.rmtree(old)
         folder = os.path.join(parent, f"checkpoint_{acc.save_iteration}")
-        if os.path.exists(folder) and _holds_checkpoint_files(folder):  # a killed save's empty folder is reused
+        # before any removal (a refused save removes nothing); a killed save's empty folder is reused
+        if os.path.exists(folder) and _holds_checkpoint_files(folder):
             raise ValueError(f"Checkpoint directory {folder} ({acc.save_iteration}) already exists: set "
                              "accelerator.project_configuration.iteration to the iteration to go on from")
+        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent) if os.path.join(parent, f) != folder),
+                         key=_number)
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
+            # the newer folders durable first: a kill after the removal still finds a checkpoint to resume
+            self.wait()
+            for old in folders[: len(folders) + 1 - config.total_limit]:
+                shutil.rmtree(old)
         acc.wait_for_everyone()
         os.makedirs(folder, exist_ok=True)
         return Path(folder)

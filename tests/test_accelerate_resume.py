@@ -1,0 +1,111 @@
+"""Kill-and-resume through Accelerate: a tiny GPT-like model (tests/resume/child_accelerate.py)
+trained in a subprocess that calls ``accelerator.save_state()`` every 3 steps through
+ckptstream, killed with SIGKILL at random steps (after a background save began, while it may
+still write), resumed by ``accelerator.load_state()``; its losses and final weights are
+bit-equal to an uninterrupted run's, and to Accelerate's own saver's run side by side. The kill
+points come from a seeded generator, and are reached by reading the child's output: no timing."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import ckptstream
+from ckptstream.accelerate import state_file
+
+CHILD = Path(__file__).parent / "resume" / "child_accelerate.py"
+STEPS, SAVE_EVERY = 36, 3  # the child's
+
+
+def start(directory: Path, saver: str, mode: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path])}
+    return subprocess.Popen([sys.executable, str(CHILD), str(directory), saver, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def losses(lines: list[str]) -> dict[int, str]:
+    return {int(line.split()[1]): line.split()[2] for line in lines if line.startswith("step ")}
+
+
+def run_whole(directory: Path, saver: str, mode: str) -> list[str]:
+    child = start(directory, saver, mode)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0, out[-2000:]
+    lines = out.splitlines()
+    assert lines[0] == "fresh"
+    assert lines[-1] == "done"
+    return lines
+
+
+def run_killed(directory: Path, mode: str, chooser: random.Random) -> tuple[int, int, dict[int, str]]:
+    """Start the child, pick a step past the one it resumed from, SIGKILL it once it prints that
+    step (it may have run a little further by then): (resumed from, killed at, its losses)."""
+    child = start(directory, "stream", mode)
+    assert child.stdout is not None
+    first = child.stdout.readline()  # "fresh" or "resumed N"
+    resumed = int(first.split()[1]) if first.startswith("resumed") else 0
+    step = chooser.randint(resumed + 1, min(STEPS - 1, resumed + 2 * SAVE_EVERY))
+    lines = []
+    for line in child.stdout:
+        lines.append(line)
+        if line.startswith(f"step {step} "):
+            child.send_signal(signal.SIGKILL)
+            break
+    child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, lines[-3:]
+    return resumed, step, losses(lines)
+
+
+def lowest_resume(killed_at: int, mode: str) -> int:
+    """The earliest step a run killed once it printed ``killed_at`` may resume from: the last save
+    before that step, or in the background the one before it (one save runs at a time)."""
+    last = ((killed_at - 1) // SAVE_EVERY) * SAVE_EVERY
+    return max(0, last - SAVE_EVERY if mode != "sync" else last)
+
+
+def final_weights(directory: Path) -> dict[str, torch.Tensor]:
+    return ckptstream.load(directory / "final.safetensors")
+
+
+def test_killed_runs_resume_bit_for_bit(tmp_path: Path) -> None:
+    mode, seed = "device", 1  # background saves: a kill may land while one writes
+    whole = losses(run_whole(tmp_path / "whole", "stream", mode))
+    default = losses(run_whole(tmp_path / "default", "default", "-"))
+    assert default == whole  # Accelerate's own saver, side by side: the same losses
+    assert len(whole) == STEPS
+    chooser, directory, killed_at = random.Random(seed), tmp_path / "killed", 0
+    for _ in range(5):
+        resumed, step, seen = run_killed(directory, mode, chooser)
+        assert resumed % SAVE_EVERY == 0, resumed
+        assert resumed >= lowest_resume(killed_at, mode), (killed_at, resumed)
+        assert seen == {s: whole[s] for s in seen}, (step, resumed)  # every step it ran, also those run again
+        killed_at = step
+    child = start(directory, "stream", mode)
+    out, _ = child.communicate(timeout=120)
+    lines = out.splitlines()
+    assert child.returncode == 0
+    assert lines[-1] == "done"
+    resumed = int(lines[0].split()[1]) if lines[0].startswith("resumed") else 0
+    assert resumed % SAVE_EVERY == 0
+    assert resumed >= lowest_resume(killed_at, mode)
+    seen = losses(lines)
+    assert seen == {s: whole[s] for s in range(min(seen), STEPS + 1)}
+    mine, theirs, reference = final_weights(directory), final_weights(tmp_path / "whole"), final_weights(
+        tmp_path / "default")
+    assert list(mine) == list(theirs) == list(reference)
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+        assert torch.equal(mine[key], reference[key]), key
+    checkpoints = sorted((directory / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["checkpoint_10", "checkpoint_11"]  # total_limit=2, 12 saves
+    for folder in checkpoints:
+        ckptstream.verify(state_file(folder, 0))
+    cli = subprocess.run([sys.executable, "-m", "ckptstream", "verify", str(state_file(checkpoints[-1], 0))],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert cli.returncode == 0, cli.stderr
