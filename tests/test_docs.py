@@ -82,3 +82,27 @@ def test_the_training_loop_runs_and_resumes_bit_for_bit(tmp_path: Path, monkeypa
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     for a, b in zip(parameters(first), parameters(whole), strict=True):
         assert not torch.equal(a, b)  # the comparison sees training steps
+
+
+def test_the_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ckptstream.accelerate import state_file
+
+    (example,) = examples("docs/integrations.md")
+    monkeypatch.chdir(tmp_path)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        done = run(example, "docs/integrations.md")
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    folders = tmp_path / "run" / "checkpoints"
+    assert sorted(f.name for f in folders.iterdir()) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    saved = ckptstream.load(state_file(folders / "checkpoint_2", 0))
+    loaded = done["model"].state_dict()
+    assert list(saved["models"][0]) == list(loaded)
+    for key, tensor in saved["models"][0].items():
+        assert torch.equal(loaded[key], tensor), key
+    assert "save_state" not in vars(done["accelerator"])  # the block gave the methods back
