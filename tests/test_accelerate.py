@@ -280,3 +280,46 @@ def test_what_it_does_not_run_is_refused(tmp_path: Path) -> None:
         StreamState(run["acc"], mode="later")
     with StreamState(run["acc"]), pytest.raises(TypeError, match="DeepSpeed"):
         run["acc"].save_state(tmp_path / "x", tag="global_step1")
+
+
+class Numbers(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+
+class FakeLoader:
+    """The two dataloader states Accelerate saves, without torchdata: a seedable sampler behind an
+    ``IterableDatasetShard``, and a stateful dataloader's ``state_dict``."""
+
+    def __init__(self) -> None:
+        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+
+        self.dataset = IterableDatasetShard(Numbers())
+        self.sampler = SeedableRandomSampler(range(10), data_seed=7)
+        self.use_stateful_dataloader = True
+        self.position = {"batches": 0, "epoch": 0}
+
+    def get_sampler(self) -> Any:
+        return self.sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = dict(state)
+
+
+def test_sampler_and_stateful_dataloader_states_round_trip(tmp_path: Path) -> None:
+    run = setup()
+    loader = FakeLoader()
+    run["acc"]._dataloaders.append(loader)
+    loader.sampler.set_epoch(3)
+    loader.position = {"batches": 5, "epoch": 3}
+    with StreamState(run["acc"], mode="device"):
+        run["acc"].save_state(tmp_path / "ckpt")
+        loader.sampler.set_epoch(4)
+        loader.sampler.initial_seed = 99
+        loader.position = {"batches": 1, "epoch": 4}
+        run["acc"].load_state(tmp_path / "ckpt")
+    assert (loader.sampler.epoch, loader.sampler.initial_seed) == (3, 7)
+    assert loader.position == {"batches": 5, "epoch": 3}
