@@ -323,3 +323,20 @@ def test_sampler_and_stateful_dataloader_states_round_trip(tmp_path: Path) -> No
         run["acc"].load_state(tmp_path / "ckpt")
     assert (loader.sampler.epoch, loader.sampler.initial_seed) == (3, 7)
     assert loader.position == {"batches": 5, "epoch": 3}
+
+
+class Tags:
+    def state_dict(self) -> dict[str, Any]:
+        return {"tags": {"a", "b"}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("never loaded")
+
+
+def test_a_registered_object_ckptstream_does_not_store_is_named_before_any_file(tmp_path: Path) -> None:
+    run = setup()
+    run["acc"].register_for_checkpointing(Tags())
+    with StreamState(run["acc"], mode="device"), pytest.raises(ckptstream.UnsupportedTypeError,
+                                                               match=r"custom.*1.*tags"):
+        run["acc"].save_state(tmp_path / "ckpt")
+    assert os.listdir(tmp_path / "ckpt") == []
