@@ -71,7 +71,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
                  settings: Settings | None = None, staging: AsyncMode | str | None = None,
                  **legacy: Unpack[LegacyKeywords]) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = _metadata.checkpoint_folder(path)
         if staging is not None:
             warnings.warn("StreamWriter(staging=...) is deprecated: use mode=... (the same values, the modes of "
                           "save_async)", DeprecationWarning, stacklevel=2)
@@ -95,7 +95,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._planning.end()  # a save whose planning failed never got to write_data
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _metadata.checkpoint_folder(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
