@@ -48,7 +48,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     sharding (DCP reshards: save on 8 ranks, load on 4 or on 1).
 
     Args:
-        path: the checkpoint's directory; ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        path: the checkpoint's directory, or the URL of a folder of any registered storage;
+            ``dcp.load(..., checkpoint_id=...)`` replaces it.
         checksum: compare every chunk read whole with its stored CRC-32C (a chunk read in part,
             when resharding cuts it, cannot be checked).
         trust_metadata: unpickle ``.metadata`` and the non-tensor values as they are, which runs

@@ -48,7 +48,8 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     few pinned buffers, with a CRC-32C per chunk, and DCP's ``.metadata`` written last.
 
     Args:
-        path: the checkpoint's directory (created if missing); ``dcp.save(...,
+        path: the checkpoint's directory (created if missing), or the URL of a folder of any
+            registered storage (``s3://bucket/run/step-100``); ``dcp.save(...,
             checkpoint_id=...)`` replaces it.
         mode: what ``dcp.async_save`` saves in the background (``ckptstream.AsyncMode``, the
             modes of ``save_async``): "device" (default: a snapshot on the tensors' own
