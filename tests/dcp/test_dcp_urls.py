@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstream.dcp
@@ -85,3 +86,44 @@ def test_a_url_no_storage_serves(mem: MemStorage) -> None:
             kind("nowhere://b/run")
         with pytest.raises(ckptstream.UnsupportedStorageError, match="nowhere://b/run: no storage for nowhere:// URLs"):
             kind("mem://test/run").reset("nowhere://b/run")  # DCP's checkpoint_id, before it plans
+
+
+def test_two_gloo_ranks_in_a_url_folder(mem: MemStorage) -> None:
+    # the ranks are processes: they share the in-memory storage through dicts this process serves
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.dcp.sharedmem import Server
+    from tests.helpers import child_env
+
+    server = Server()
+    try:
+        with socket.socket() as sock:  # a free port for the group's store, on this machine only
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url = "mem://test/run/dcp-2"
+        host, shared_port = server.address
+        ranks = []
+        for rank in range(2):
+            env = {**child_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("child_mem_rank.py")), url, host, str(shared_port),
+                 server.key.hex()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=240)[0] for p in ranks]
+        assert [p.returncode for p in ranks] == [0, 0], outputs
+        assert sorted(n.removeprefix(f"{url}/") for n in server.objects) == [
+            ".metadata", "rank-00000.safetensors", "rank-00001.safetensors"]
+    finally:
+        server.stop()
+    # the two ranks' checkpoint, read back in one process from a storage holding the same bytes
+    from tests.s3.child_dcp_rank import state
+
+    mem.objects.update(server.objects)
+    want = {**state(0), **state(1)}
+    loaded = {k: torch.full_like(v, -1) for k, v in want.items()}
+    single_process(dcp.load, loaded, storage_reader=StreamReader(url))
+    for key, value in want.items():
+        assert torch.equal(loaded[key], value), key
