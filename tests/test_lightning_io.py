@@ -23,8 +23,8 @@ from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
 from lightning.pytorch.utilities.parsing import AttributeDict
 
 import ckptstream
-from ckptstream import CorruptCheckpointError, UnsupportedTypeError
-from ckptstream.lightning import TYPES_KEY, StorageOptionsError, StreamCheckpointIO, UnsupportedPathError
+from ckptstream import CorruptCheckpointError, UnsupportedStorageError, UnsupportedTypeError
+from ckptstream.lightning import TYPES_KEY, StorageOptionsError, StreamCheckpointIO
 from tests.helpers import child_env
 from tests.lightningutil import held_saves
 
@@ -301,8 +301,8 @@ def test_arguments_and_paths_it_refuses(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_in_flight"):
         StreamCheckpointIO("device", max_in_flight=0)
     io = StreamCheckpointIO()
-    with pytest.raises(UnsupportedPathError, match="writes local files"):
-        io.save_checkpoint({"w": torch.randn(2)}, "s3://bucket/a.ckpt")
+    with pytest.raises(UnsupportedStorageError, match=r"nowhere://bucket/a\.ckpt: no storage for nowhere:// URLs"):
+        io.save_checkpoint({"w": torch.randn(2)}, "nowhere://bucket/a.ckpt")
     io.save_checkpoint({"w": torch.randn(2)}, f"file://{tmp_path}/sub/dir/a.ckpt")  # directories are created
     assert io.load_checkpoint(tmp_path / "sub" / "dir" / "a.ckpt", map_location="cpu")["w"].shape == (2,)
     with pytest.raises(StorageOptionsError, match="map_location must be None or a device"):

@@ -174,4 +174,6 @@ class StorageOptionsError(CkptStreamError, TypeError):
 
 
 class UnsupportedPathError(CkptStreamError, ValueError):
-    """A checkpoint path on a remote file system (``s3://...``): StreamCheckpointIO writes local files."""
+    """Raised by nothing now: StreamCheckpointIO takes the URLs of every storage ckptstream has
+    (a URL of any other scheme raises ``UnsupportedStorageError``). Kept so that code that
+    catches it still imports."""

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._errors import CorruptCheckpointError, UnsupportedTypeError
+from .._errors import CorruptCheckpointError, UnsupportedStorageError, UnsupportedTypeError
 from .._storage import storage_for
 from . import _pickles
 
@@ -110,6 +110,14 @@ METADATA = _pickles.PLAIN | _pickles.Allowed(
 )  # fmt: skip
 
 
+def checkpoint_folder(path: str | os.PathLike[str]) -> str:
+    """``path`` as the writer and the reader keep it; a URL that no storage serves raises
+    UnsupportedStorageError (naming it and what to install) here, before DCP plans anything."""
+    text = os.fspath(path)
+    storage_for(text)
+    return text
+
+
 def metadata_name(rank: int | None) -> str:
     """``.metadata``, or a rank's own ``__{rank}.metadata`` when ranks save without collectives."""
     return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
@@ -187,7 +195,9 @@ def check_storage(metadata: Metadata, path: str) -> None:
 
 
 class CheckpointDirectory:
-    """What StreamWriter and StreamReader share: a checkpoint is a local directory, ``path``."""
+    """What StreamWriter and StreamReader share: a checkpoint is a folder, ``path``: a local
+    directory, or the URL of a folder of any storage ckptstream has (``s3://bucket/run/step-100``,
+    a registered scheme)."""
 
     path: str
 
@@ -197,4 +207,11 @@ class CheckpointDirectory:
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in os.fspath(checkpoint_id)
+        """Whether a storage serves ``checkpoint_id`` (DCP asks when it picks a writer or
+        reader for a ``checkpoint_id`` alone): every local path, and the URLs of the schemes
+        that ``storage_for`` can serve."""
+        try:
+            storage_for(os.fspath(checkpoint_id))
+        except UnsupportedStorageError:
+            return False
+        return True

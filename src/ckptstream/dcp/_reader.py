@@ -30,6 +30,7 @@ from .._checkpoint.reader import CheckpointReader, TensorEntry
 from .._engine.tensor_bytes import host_bytes
 from .._errors import ChecksumsMissingError, CorruptCheckpointError
 from .._settings import LegacyKeywords, Settings, per_call
+from .._storage import storage_for
 from . import _metadata, _pickles
 from ._metadata import StoredChunk
 
@@ -47,7 +48,8 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     sharding (DCP reshards: save on 8 ranks, load on 4 or on 1).
 
     Args:
-        path: the checkpoint's directory; ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        path: the checkpoint's directory, or the URL of a folder of any registered storage;
+            ``dcp.load(..., checkpoint_id=...)`` replaces it.
         checksum: compare every chunk read whole with its stored CRC-32C (a chunk read in part,
             when resharding cuts it, cannot be checked).
         trust_metadata: unpickle ``.metadata`` and the non-tensor values as they are, which runs
@@ -80,7 +82,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, checksum: bool = True, trust_metadata: bool = False,
                  settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = _metadata.checkpoint_folder(path)
         self.checksum = checksum
         self.trust_metadata = trust_metadata
         self.cfg = per_call("StreamReader", settings, legacy)
@@ -91,7 +93,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
         self.storage_data = {}
         self._metadata_error = None
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _metadata.checkpoint_folder(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch 2.9+ asks again with rank= for a checkpoint saved without collectives
@@ -115,7 +117,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
                 f"{self.path}: the checkpoint's chunks are stored as {kinds}, not by ckptstream.dcp.StreamWriter; "
                 "load it with the reader of the writer that saved it (torch's FileSystemReader for FileSystemWriter)")
         # read_metadata checked the files' names; so is metadata that came another way
-        _metadata.check_storage(metadata, os.path.join(self.path, _metadata.METADATA_NAME))
+        _metadata.check_storage(metadata, storage_for(self.path).join(self.path, _metadata.METADATA_NAME))
         self.storage_data = data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -136,7 +138,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
 
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Every box this rank needs from one rank file, in one pass in file order."""
-        path = os.path.join(self.path, name)
+        path = storage_for(self.path).join(self.path, name)
         items = sorted(items, key=lambda it: (self.storage_data[it.storage_index].offset, tuple(it.storage_offsets)))
         with CheckpointReader(path, self.cfg) as reader:
             requests: list[tuple[Any, Sequence[int], Sequence[int] | None, torch.Tensor]] = []

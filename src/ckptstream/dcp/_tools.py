@@ -72,8 +72,9 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     directory = os.fspath(path)
     metadata = _metadata.read_metadata(directory, None, trusted=False)
     names = {getattr(chunk, "relative_path", None) for chunk in (metadata.storage_data or {}).values()}
-    paths = [os.path.join(directory, n) for n in names if isinstance(n, str)]
-    return sorted([os.path.join(directory, _metadata.METADATA_NAME), *paths])
+    storage = storage_for(directory)
+    paths = [storage.join(directory, n) for n in names if isinstance(n, str)]
+    return sorted([storage.join(directory, _metadata.METADATA_NAME), *paths])
 
 
 def dcp_to_torch_save(path: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], *,

@@ -48,7 +48,8 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     few pinned buffers, with a CRC-32C per chunk, and DCP's ``.metadata`` written last.
 
     Args:
-        path: the checkpoint's directory (created if missing); ``dcp.save(...,
+        path: the checkpoint's directory (created if missing), or the URL of a folder of any
+            registered storage (``s3://bucket/run/step-100``); ``dcp.save(...,
             checkpoint_id=...)`` replaces it.
         mode: what ``dcp.async_save`` saves in the background (``ckptstream.AsyncMode``, the
             modes of ``save_async``): "device" (default: a snapshot on the tensors' own
@@ -71,7 +72,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
                  settings: Settings | None = None, staging: AsyncMode | str | None = None,
                  **legacy: Unpack[LegacyKeywords]) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = _metadata.checkpoint_folder(path)
         if staging is not None:
             warnings.warn("StreamWriter(staging=...) is deprecated: use mode=... (the same values, the modes of "
                           "save_async)", DeprecationWarning, stacklevel=2)
@@ -95,7 +96,7 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._planning.end()  # a save whose planning failed never got to write_data
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _metadata.checkpoint_folder(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -14,9 +15,9 @@ from .._checkpoint.load import load, read_metadata
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
 from .._checkpoint.snapshot import release_host_snapshot
-from .._errors import NotACheckpointError, StorageOptionsError, UnsupportedPathError
+from .._errors import NotACheckpointError, StorageOptionsError
 from .._format import header, sniff
-from .._storage import storage_for
+from .._storage import scheme_of, storage_for
 from ._staging import StagingGuard
 from ._values import TYPES_KEY, decode_table, encode_table, restore, to_plain
 
@@ -68,7 +69,7 @@ class StreamCheckpointIO(CheckpointIO):
         self.max_in_flight, self.load_device = max_in_flight, torch.device(load_device)
         self.metadata = _checked_metadata(metadata, "StreamCheckpointIO(metadata=...)")
         self._lock = threading.Lock()
-        self._saves: dict[str, SaveHandle] = {}  # background saves by the absolute path they publish
+        self._saves: dict[str, SaveHandle] = {}  # background saves by their target (_target)
         self._guard = StagingGuard()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -90,24 +91,25 @@ class StreamCheckpointIO(CheckpointIO):
             UnsupportedTypeError: a value this plug-in does not store, named by its key path
                 (nothing is written).
             StorageOptionsError: ``storage_options`` other than None or ``{"metadata": {str: str}}``.
-            UnsupportedPathError: a remote path.
+            UnsupportedStorageError: a URL of a scheme no storage serves (naming the URL and
+                what to install).
             CheckpointNotSavedError, or the save's own error: an earlier background save failed.
         """
-        target = _local(path)
+        target = _target(path)
         metadata = {**self.metadata, **_storage_metadata(storage_options)}
         plain, table = to_plain(checkpoint, allow_pickle=self.allow_pickle)
         if table:
             metadata[TYPES_KEY] = encode_table(table)
         self._wait(target)  # a save of the same path first: its error, and the order of the two files
         self._prune()
-        storage_for(target).make_folders(os.path.dirname(target) or ".")
+        storage_for(target).make_folders(_parent(target))
         if self.mode is None:
             save(plain, target, metadata=metadata, checksum=self.checksum)
             return
         handle = save_async(plain, target, mode=self.mode, metadata=metadata, checksum=self.checksum,
                             max_in_flight=self.max_in_flight)
         with self._lock:
-            self._saves[handle.path] = handle
+            self._saves[target] = handle
         if self.mode == "lazy" and not handle.staged():
             self._guard.arm(handle, _tensors(plain))
 
@@ -130,7 +132,7 @@ class StreamCheckpointIO(CheckpointIO):
         """
         device = self._device(map_location)
         self.wait()
-        target = _local(path)
+        target = _target(path)
         if storage_for(target).kind(target) != "file":  # the target of any link: a file, or none
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
         try:
@@ -156,10 +158,11 @@ class StreamCheckpointIO(CheckpointIO):
                        unpickle=why_not)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path``, after its background save has ended (a file still
-        being written is never removed; its save's error, if it failed, is raised)."""
-        target = _local(path)
-        self._wait(target)
+        """Remove the checkpoint at ``path`` (a file, or a folder and everything in it), after
+        the background saves to it have ended (a file still being written is never removed; its
+        save's error, if it failed, is raised)."""
+        target = _target(path)
+        self._wait(target, inside=True)  # a folder's removal: the saves into it first
         given = _given(path)
         storage = storage_for(given)
         kind = storage.kind(given)
@@ -216,10 +219,13 @@ class StreamCheckpointIO(CheckpointIO):
                 if handle.done() and handle._error is None:
                     del self._saves[path]
 
-    def _wait(self, target: str) -> None:
+    def _wait(self, target: str, *, inside: bool = False) -> None:
+        """Wait for the save of ``target``; with ``inside``, also for those of the files in the
+        folder ``target`` (a removal of the folder)."""
+        under = target.rstrip("/" + os.sep) + ("/" if scheme_of(target) is not None else os.sep)
         with self._lock:
-            handle = self._saves.get(target)
-        if handle is not None:
+            handles = [h for t, h in self._saves.items() if t == target or (inside and t.startswith(under))]
+        for handle in handles:
             self._collect(handle)
 
     def _collect(self, handle: SaveHandle) -> None:
@@ -227,8 +233,8 @@ class StreamCheckpointIO(CheckpointIO):
             handle.result()
         finally:
             with self._lock:
-                if self._saves.get(handle.path) is handle:
-                    del self._saves[handle.path]
+                for target in [t for t, h in self._saves.items() if h is handle]:
+                    del self._saves[target]
 
     def _device(self, map_location: Any) -> torch.device:
         if map_location is None:
@@ -244,22 +250,32 @@ class StreamCheckpointIO(CheckpointIO):
                                   "straight to one device")
 
 
-def _local(path: str | os.PathLike[str]) -> str:
-    """The absolute path the file is published at (a symbolic link's target)."""
-    return os.path.realpath(_given(path))
+def _target(path: str | os.PathLike[str]) -> str:
+    """Where the file is published: a local path's absolute real path (a symbolic link's
+    target), a URL as given."""
+    given = _given(path)
+    return given if scheme_of(given) is not None else os.path.realpath(given)
 
 
 def _given(path: str | os.PathLike[str]) -> str:
-    """The absolute path as given (a symbolic link itself), without a ``file://`` prefix."""
+    """A local path made absolute as given (a symbolic link itself; ``file://`` dropped), or a
+    URL of a storage ckptstream has (``s3://...``, a registered scheme): Lightning passes URLs
+    on as they are, as its own IO hands them to fsspec. A URL of any other scheme raises
+    UnsupportedStorageError (``storage_for``), naming it and what to install."""
     text = os.fsdecode(path)
-    if "://" in text:
-        protocol = text.split("://", 1)[0]
-        if protocol != "file":
-            raise UnsupportedPathError(f"{text}: StreamCheckpointIO writes local files; for a remote file system "
-                                       "save to a local directory (ModelCheckpoint(dirpath=...)) and copy the files "
-                                       "from there")
+    if scheme_of(text) == "file":
         text = text.split("://", 1)[1]
+    if scheme_of(text) is not None:
+        storage_for(text)  # no storage serves the scheme: the typed error, before any work
+        return text
     return os.path.abspath(text)
+
+
+def _parent(target: str) -> str:
+    """The folder a file is published in (URLs are joined with "/", whatever the OS)."""
+    if scheme_of(target) is not None:
+        return posixpath.dirname(target)
+    return os.path.dirname(target) or "."
 
 
 def _checked_metadata(metadata: Any, where: str) -> dict[str, str]:
