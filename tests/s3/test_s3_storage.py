@@ -320,3 +320,35 @@ def test_without_boto3_an_s3_url_says_what_to_install() -> None:
                          env={**os.environ, "PYTHONPATH": "src"}).stdout
     assert "s3://bucket/k" in out
     assert "pip install 'ckptstream[s3]'" in out
+
+
+def test_two_storages_reach_two_endpoints_in_one_process(s3: Bucket) -> None:
+    """Each storage has its own client: a second server, registered under a scheme of its own with
+    its endpoint and keys, holds what was written there, and ``s3://`` (the environment's server)
+    holds what was written there, both under the same bucket and key."""
+    from ckptstream._storage import register, storage_for
+    from ckptstream._storage.s3 import S3Storage
+    from tests.s3.s3server import S3Server
+    from tests.s3.s3util import raw_client
+
+    other = S3Server()
+    try:
+        env = other.env
+        raw_client(env).create_bucket(Bucket=s3.name)
+        register("s3b", lambda: S3Storage("s3b", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]))
+        here, there = os.urandom(7 * MiB + 3), os.urandom(6 * MiB + 5)
+        for url, data in ((s3.url("k"), here), (f"s3b://{s3.name}/k", there)):
+            with storage_for(url).create(url) as sink:
+                write_like_the_engine(sink, data, 4096, 5 * MiB)
+        assert s3.get("k") == here
+        assert raw_client(env).get_object(Bucket=s3.name, Key="k")["Body"].read() == there
+        for url, data in ((s3.url("k"), here), (f"s3b://{s3.name}/k", there)):
+            with storage_for(url).open(url) as source:
+                out = bytearray(len(data))
+                assert source.read_into(memoryview(out), 0) == len(data)
+                assert out == data
+    finally:
+        register("s3b", None)
+        other.stop()
