@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import ckptstream
-from ckptstream._storage import s3client, storage_for
+from ckptstream._storage import storage_for
 from ckptstream.bench.measure import PeakRss
 
 MiB = 1 << 20
@@ -37,7 +37,7 @@ if __name__ == "__main__":
             if len(uploaded) >= 2:
                 hold.wait()  # never set: the save stays here until the process is killed
 
-        s3client.client().meta.events.register("after-call.s3.UploadPart", after_part)
+        storage_for(url).client().boto.meta.events.register("after-call.s3.UploadPart", after_part)  # type: ignore[attr-defined]
         ckptstream.save(state(48), url)
     else:
         s = state(int(sys.argv[3]))

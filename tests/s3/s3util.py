@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from ckptstream._storage import s3client
+from ckptstream._storage import storage_for
+from ckptstream._storage.s3 import reset_clients as reset_clients
 from tests.s3.s3server import S3Server, require_rclone, shared_server
 
 # the AWS configuration a test must not inherit from the machine it runs on
@@ -29,6 +30,12 @@ def raw_client(env: dict[str, str]) -> Any:
                         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"],
                         config=Config(response_checksum_validation="when_required",
                                       request_checksum_calculation="when_required"))
+
+
+def boto() -> Any:
+    """The boto3 client of the storage ``s3://`` URLs reach, for the settings in force (to hook
+    its events)."""
+    return storage_for("s3://any").client().boto  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass
@@ -71,7 +78,7 @@ def use_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, s
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    s3client.reset_client()
+    reset_clients()
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +96,7 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     name = f"ckpt-{uuid.uuid4().hex[:16]}"
     raw.create_bucket(Bucket=name)
     yield Bucket(s3_server, name, raw)
-    s3client.reset_client()
+    reset_clients()
 
 
 MiB = 1 << 20

@@ -20,9 +20,8 @@ import torch
 
 import ckptstream
 from ckptstream._format.header import DTYPE_NAMES
-from ckptstream._storage import s3client
 from tests.helpers import EDGE_CASES, assert_same_state, child_env, random_tensor
-from tests.s3.s3util import Bucket, MiB, s3, s3_server  # noqa: F401
+from tests.s3.s3util import Bucket, MiB, boto, s3, s3_server  # noqa: F401
 
 HERE = Path(__file__).parent
 
@@ -52,7 +51,7 @@ def test_open_reads_only_the_bytes_asked_for(s3: Bucket) -> None:
     url = s3.url("k.safetensors")
     ckptstream.save(big, url)
     ranges: list[str] = []
-    s3client.client().meta.events.register("before-send.s3.GetObject",
+    boto().meta.events.register("before-send.s3.GetObject",
                                            lambda request, **kw: ranges.append(request.headers["Range"].decode()))
     with ckptstream.open(url) as reader:
         assert torch.equal(reader.read("c"), big["c"])
@@ -67,7 +66,7 @@ def test_the_requests_of_a_save_and_a_load(s3: Bucket) -> None:
     key is not a folder), one listing of the key's uploads, then the upload (ceil((B - E) / S) + 1
     parts); a load one GET that opens the object and brings its header, then one per chunk."""
     sent: collections.Counter[str] = collections.Counter()
-    s3client.client().meta.events.register("before-send.s3",
+    boto().meta.events.register("before-send.s3",
                                            lambda event_name, **kw: sent.update([event_name.rsplit(".", 1)[1]]))
     url = s3.url("k.safetensors")
     with ckptstream.settings(buffer_size=5 * MiB):  # S = E = 5 MiB
@@ -165,7 +164,7 @@ def objects_made() -> list[str]:
     """The keys of the objects the library's client makes visible from now on (each PUT and each
     completed multipart upload, once answered), in the order the answers came."""
     made: list[str] = []
-    events = s3client.client().meta.events
+    events = boto().meta.events
 
     def remember(params: dict[str, Any], context: dict[str, Any], **kw: Any) -> None:
         context["test_key"] = params.get("Key")

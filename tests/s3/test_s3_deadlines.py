@@ -20,12 +20,13 @@ import torch
 
 import ckptstream
 from ckptstream._settings import _parse_environment
-from ckptstream._storage.s3 import FIRST, S3Storage
+from ckptstream._storage import storage_for
+from ckptstream._storage.s3 import FIRST
 from tests.helpers import random_tensor
 from tests.s3.faultproxy import FaultProxy
 from tests.s3.s3util import Bucket, MiB, s3, s3_server, use_server  # noqa: F401
 
-STORE = S3Storage()
+STORE = storage_for("s3://any")
 BOUND = 30.0  # seconds: about twice the deadlines below (a save's abort has its own); a stalled request
 # without a deadline waits for botocore's socket timeout (60 s), once per attempt
 STALLS = ["freeze", "headers", "drip"]

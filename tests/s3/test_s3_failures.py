@@ -17,22 +17,30 @@ from typing import Any
 import pytest
 
 import ckptstream
-from ckptstream._storage import s3 as s3_storage
-from ckptstream._storage import s3client, s3journal
-from ckptstream._storage.s3 import S3Storage
+from ckptstream._storage import objstore, s3journal, storage_for
 from tests.helpers import child_env
 from tests.s3.faultproxy import FaultProxy
 from tests.s3.s3server import S3Server, require_rclone
-from tests.s3.s3util import Bucket, MiB, raw_client, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
+from tests.s3.s3util import (  # noqa: F401
+    Bucket,
+    MiB,
+    boto,
+    raw_client,
+    reset_clients,
+    s3,
+    s3_server,
+    use_server,
+    write_like_the_engine,
+)
 
-STORE = S3Storage()
+STORE = storage_for("s3://any")
 HERE = Path(__file__).parent
 
 
 def test_no_credentials(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    s3client.reset_client()
+    reset_clients()
     url = s3.url("a/ckpt")
     for call in (lambda: STORE.open(url), lambda: STORE.create(url), lambda: STORE.list_folder(s3.url("a"))):
         with pytest.raises(ckptstream.NoCredentialsError, match=r"no credentials.*AWS_ACCESS_KEY_ID.*s3://") as info:
@@ -60,7 +68,7 @@ def test_missing_object(s3: Bucket) -> None:
 def test_access_denied(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     s3.put("a/ckpt", b"old")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    s3client.reset_client()
+    reset_clients()
     url = s3.url("a/ckpt")
     for call in (lambda: STORE.open(url), lambda: STORE.create(url), lambda: STORE.list_folder(s3.url("a"))):
         denied = r"access denied \((opening|listing|looking).*(SignatureDoesNotMatch|403).*s3://"
@@ -82,7 +90,7 @@ def one_upload_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
         holder = raw.create_multipart_upload(Bucket="throttled", Key="other")["UploadId"]
         yield Bucket(server, "throttled", raw), holder
     finally:
-        s3client.reset_client()
+        reset_clients()
         server.stop()
 
 
@@ -90,9 +98,9 @@ def test_throttling_is_retried_then_raised(one_upload_server: tuple[Bucket, Any]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     bucket, holder = one_upload_server
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    s3client.reset_client()
+    reset_clients()
     attempts = []
-    s3client.client().meta.events.register("needs-retry.s3.CreateMultipartUpload",
+    boto().meta.events.register("needs-retry.s3.CreateMultipartUpload",
                                            lambda attempts_=None, **kw: attempts.append(kw["attempts"]))
     with pytest.raises(ckptstream.ThrottledError, match=r"throttled.*SlowDown.*2 attempts.*s3://throttled/a/ckpt"), \
             STORE.create(bucket.url("a/ckpt")) as sink:
@@ -113,7 +121,7 @@ def test_throttling_that_ends_is_ridden_out(one_upload_server: tuple[Bucket, Any
             ended.append(kwargs["attempts"])
             bucket.raw.abort_multipart_upload(Bucket="throttled", Key="other", UploadId=holder)
 
-    s3client.client().meta.events.register_first("needs-retry.s3.CreateMultipartUpload", end_the_other,
+    boto().meta.events.register_first("needs-retry.s3.CreateMultipartUpload", end_the_other,
                                                  unique_id="end-the-other")
     data = os.urandom(12 * MiB)
     with STORE.create(bucket.url("a/ckpt")) as sink:
@@ -204,7 +212,7 @@ def test_which_leftover_uploads_are_aborted(s3: Bucket, monkeypatch: pytest.Monk
     neighbour = s3.raw.create_multipart_upload(Bucket=s3.name, Key="k2")["UploadId"]
     assert STORE.remove_temps(s3.url("k")) == []
     with monkeypatch.context() as m:
-        m.setattr(s3_storage, "STALE_AFTER", datetime.timedelta(0))
+        m.setattr(objstore, "STALE_AFTER", datetime.timedelta(0))
         assert STORE.remove_temps(s3.url("k")) == [other]
     other = s3.raw.create_multipart_upload(Bucket=s3.name, Key="k")["UploadId"]
     assert STORE.remove_temps(s3.url("k"), stale_only=False) == [other]

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 import ckptstream
-from ckptstream._storage import s3journal
-from ckptstream._storage.s3 import S3Storage
-from ckptstream._storage.s3upload import MultipartSink
+from ckptstream._storage import s3journal, storage_for
+from ckptstream._storage.objupload import MultipartSink
 from tests.s3.faultproxy import FaultProxy
 from tests.s3.s3util import Bucket, MiB, s3, s3_server, use_server, write_like_the_engine  # noqa: F401
 
-STORE = S3Storage()
+STORE = storage_for("s3://any")
 
 
 def notes() -> list[str]:

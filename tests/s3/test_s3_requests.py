@@ -11,18 +11,18 @@ import pytest
 
 import ckptstream
 from ckptstream._storage import s3 as s3_storage
-from ckptstream._storage import s3client
-from ckptstream._storage.s3 import FIRST, S3Storage
-from tests.s3.s3util import Bucket, MiB, s3, s3_server  # noqa: F401
+from ckptstream._storage import storage_for
+from ckptstream._storage.s3 import FIRST
+from tests.s3.s3util import Bucket, MiB, boto, s3, s3_server  # noqa: F401
 
-STORE = S3Storage()
+STORE = storage_for("s3://any")
 
 
 def test_reads_ask_for_the_opened_version(s3: Bucket) -> None:
     data = os.urandom(3 * MiB)
     s3.put("r", data)
     asked: list[Any] = []
-    s3client.client().meta.events.register("before-send.s3.GetObject",
+    boto().meta.events.register("before-send.s3.GetObject",
                                            lambda request, **kw: asked.append(request.headers.get("If-Match")))
     with STORE.open(s3.url("r")) as source:
         out = bytearray(len(data))
@@ -55,10 +55,10 @@ def test_an_object_replaced_after_opening_fails_the_read(s3: Bucket) -> None:
 
 
 def test_listings_follow_every_page(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(s3_storage, "_LIST_PAGE", 2)
+    monkeypatch.setattr(s3_storage.S3Client, "page", 2)
     pages: list[str] = []
     for name in ("ListObjectsV2", "ListMultipartUploads"):
-        s3client.client().meta.events.register(f"before-send.s3.{name}", lambda name=name, **kw: pages.append(name))
+        boto().meta.events.register(f"before-send.s3.{name}", lambda name=name, **kw: pages.append(name))
     files = [f"f{i}" for i in range(7)]
     for name in files:
         s3.put(f"run/{name}", name.encode())

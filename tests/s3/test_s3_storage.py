@@ -17,13 +17,12 @@ import pytest
 
 import ckptstream
 from ckptstream._settings import DirectIO
-from ckptstream._storage import s3client
-from ckptstream._storage.s3 import FIRST, S3Storage, _reader
-from ckptstream._storage.s3upload import MIN_PART, crc32c_b64
+from ckptstream._storage import storage_for
+from ckptstream._storage.s3 import FIRST, MIN_PART, _reader, crc32c_b64
 from tests.helpers import child_env
-from tests.s3.s3util import Bucket, MiB, s3, s3_server, write_like_the_engine  # noqa: F401
+from tests.s3.s3util import Bucket, MiB, boto, s3, s3_server, write_like_the_engine  # noqa: F401
 
-STORE = S3Storage()
+STORE = storage_for("s3://any")
 
 
 def random_data(n: int) -> bytes:
@@ -121,7 +120,7 @@ def test_parts_carry_their_crc32c(s3: Bucket) -> None:
         number = int(request.url.split("partNumber=")[1].split("&")[0])  # type: ignore[attr-defined]
         sent[number] = request.headers["x-amz-checksum-crc32c"].decode()  # type: ignore[attr-defined]
 
-    s3client.client().meta.events.register("before-send.s3.UploadPart", note)
+    boto().meta.events.register("before-send.s3.UploadPart", note)
     with STORE.create(s3.url("c")) as sink:
         write_like_the_engine(sink, data, 4096, 16 * MiB)
     assert sent == {1: crc32c_b64(data[:MIN_PART]), 2: crc32c_b64(data[MIN_PART : 16 * MiB]),
@@ -156,7 +155,7 @@ def requests_sent() -> list[str]:
         sent.append(" ".join([event_name.rsplit(".", 1)[1], *([request.headers["Range"].decode()]
                                                               if "Range" in request.headers else [])]))
 
-    s3client.client().meta.events.register("before-send.s3", note)
+    boto().meta.events.register("before-send.s3", note)
     return sent
 
 
@@ -194,7 +193,7 @@ def test_bodies_are_read_in_place(s3: Bucket) -> None:
     """A GET's body goes straight into the buffer (http.client's readinto), not through a bytes
     object: with the client libraries of this environment the fast path is the one taken."""
     s3.put("r", b"0123456789")
-    body = s3client.client().get_object(Bucket=s3.name, Key="r", Range="bytes=2-5")["Body"]
+    body = boto().get_object(Bucket=s3.name, Key="r", Range="bytes=2-5")["Body"]
     readinto, done = _reader(body)
     out = bytearray(4)
     assert readinto.__self__.__class__ is http.client.HTTPResponse  # type: ignore[attr-defined]
@@ -321,3 +320,35 @@ def test_without_boto3_an_s3_url_says_what_to_install() -> None:
                          env={**os.environ, "PYTHONPATH": "src"}).stdout
     assert "s3://bucket/k" in out
     assert "pip install 'ckptstream[s3]'" in out
+
+
+def test_two_storages_reach_two_endpoints_in_one_process(s3: Bucket) -> None:
+    """Each storage has its own client: a second server, registered under a scheme of its own with
+    its endpoint and keys, holds what was written there, and ``s3://`` (the environment's server)
+    holds what was written there, both under the same bucket and key."""
+    from ckptstream._storage import register, storage_for
+    from ckptstream._storage.s3 import S3Storage
+    from tests.s3.s3server import S3Server
+    from tests.s3.s3util import raw_client
+
+    other = S3Server()
+    try:
+        env = other.env
+        raw_client(env).create_bucket(Bucket=s3.name)
+        register("s3b", lambda: S3Storage("s3b", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]))
+        here, there = os.urandom(7 * MiB + 3), os.urandom(6 * MiB + 5)
+        for url, data in ((s3.url("k"), here), (f"s3b://{s3.name}/k", there)):
+            with storage_for(url).create(url) as sink:
+                write_like_the_engine(sink, data, 4096, 5 * MiB)
+        assert s3.get("k") == here
+        assert raw_client(env).get_object(Bucket=s3.name, Key="k")["Body"].read() == there
+        for url, data in ((s3.url("k"), here), (f"s3b://{s3.name}/k", there)):
+            with storage_for(url).open(url) as source:
+                out = bytearray(len(data))
+                assert source.read_into(memoryview(out), 0) == len(data)
+                assert out == data
+    finally:
+        register("s3b", None)
+        other.stop()

@@ -108,7 +108,7 @@ def remove_stale_temps(path: str, stale_only: bool = True) -> list[str]:
 
 def _is_stale(tail: str, temp: str, host: str, ns: int, now: float) -> bool:
     m = _TEMP_TAIL.fullmatch(tail)
-    if m and ns and m["host"] == host and int(m["ns"]) == ns and not _process_alive(int(m["pid"])):
+    if m and ns and m["host"] == host and int(m["ns"]) == ns and not process_alive(int(m["pid"])):
         return True
     if not _ANY_TAIL.fullmatch(tail):
         return False  # not a name ckptstream makes: never removed
@@ -118,7 +118,7 @@ def _is_stale(tail: str, temp: str, host: str, ns: int, now: float) -> bool:
         return False
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """False only where ``pid`` certainly names no process (of this PID namespace)."""
     try:
         os.kill(pid, 0)

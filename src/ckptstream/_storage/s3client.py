@@ -1,5 +1,5 @@
-"""The S3 client under ``s3://`` URLs: made once per process from the standard AWS configuration,
-and its failures turned into typed errors that name the URL.
+"""The boto3 client under ``s3://`` URLs: made by each storage from the standard AWS configuration
+(and the storage's own options), and its failures turned into typed errors that name the URL.
 
 boto3 (botocore) is imported on the first URL, never by ``import ckptstream``. The endpoint,
 region, credentials and retry policy come from where every AWS SDK looks: ``AWS_ENDPOINT_URL``
@@ -10,10 +10,8 @@ region, credentials and retry policy come from where every AWS SDK looks: ``AWS_
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import os
-import threading
 from typing import Any
 
 from .._errors import (
@@ -26,68 +24,19 @@ from .._errors import (
     ThrottledError,
 )
 from . import s3deadline
+from .objclient import ObjectUrl
 
-SCHEME = "s3://"
 # attempts per request where the configuration sets none: throttling and lost connections are
 # retried with botocore's capped exponential backoff (standard mode), so a bounded wait
 DEFAULT_ATTEMPTS = 6
 POOL_CONNECTIONS = 64  # above the I/O threads of any transfer: a request never waits for a socket
 
 
-@dataclasses.dataclass(frozen=True)
-class S3Url:
-    bucket: str
-    key: str
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}"
-
-    def child(self, key: str) -> S3Url:
-        return S3Url(self.bucket, key)
-
-
-def parse(url: str) -> S3Url:
-    """``s3://bucket/key`` split; ValueError for what is not such a URL."""
-    if not url.lower().startswith(SCHEME):
-        raise ValueError(f"{url!r} is not an s3:// URL (s3://bucket/key)")
-    bucket, _, key = url[len(SCHEME) :].partition("/")
-    if not bucket:
-        raise ValueError(f"{url!r} names no bucket: write s3://bucket/key")
-    return S3Url(bucket, key)
-
-
-_lock = threading.Lock()
-_clients: dict[float, Any] = {}
-
-
-def client() -> Any:
-    """The process's S3 client for the ``s3_timeout`` in force, its sockets' timeout (botocore
-    clients are thread-safe; sessions are not: one is made here, under a lock)."""
-    timeout = s3deadline.limits().timeout
-    with _lock:
-        if timeout not in _clients:
-            _clients[timeout] = _make_client(timeout)
-        return _clients[timeout]
-
-
-def reset_client() -> None:
-    """Forget the clients: the next request makes one from the configuration as it is then."""
-    with _lock:
-        _clients.clear()
-
-
-def request(url: S3Url, what: str, method: Any, /, *, nbytes: int = 0, limits: s3deadline.Limits | None = None,
-            **kwargs: Any) -> Any:
-    """``method(**kwargs)``, a request of ``nbytes`` bytes, held to its deadline (the settings in
-    force, or ``limits``); its failure typed (``what``: the operation, for the message)."""
-    with s3deadline.Deadline(url, what, nbytes, limits):
-        try:
-            return method(**kwargs)
-        except Exception as e:
-            raise error(e, url, what) from e
-
-
-def _make_client(timeout: float) -> Any:
+def make_client(timeout: float, given: dict[str, Any]) -> Any:
+    """A boto3 client whose sockets time out after ``timeout`` seconds, of the configuration
+    where every AWS SDK looks, overridden by ``given`` (``boto3.client``'s keyword arguments:
+    ``endpoint_url``, ``region_name``, ``aws_access_key_id``, ...). Its requests keep the
+    deadlines of s3deadline."""
     import boto3
     from botocore.config import Config
 
@@ -108,11 +57,11 @@ def _make_client(timeout: float) -> Any:
         response_checksum_validation="when_required",
     )
     # AWS_REGION is the SDKs' common name; botocore itself reads AWS_DEFAULT_REGION and profiles
-    region = os.environ.get("AWS_REGION") or None
-    made = session.client("s3", region_name=region, config=Config(**options))
+    kwargs = {"region_name": os.environ.get("AWS_REGION") or None, **given}
+    made = session.client("s3", config=Config(**options), **kwargs)
     chosen = core.get_config_variable("s3") or {}  # a profile's s3 settings: its choice stands
     if "payload_signing_enabled" not in chosen and not signs_payloads(str(made.meta.endpoint_url)):
-        made = session.client("s3", region_name=region, config=Config(**options, s3={"payload_signing_enabled": False}))
+        made = session.client("s3", config=Config(**options, s3={"payload_signing_enabled": False}), **kwargs)
     _bound(made)
     return made
 
@@ -145,7 +94,7 @@ _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExce
               "RequestThrottled", "503", "ServiceUnavailable", "429"}
 
 
-def error(e: Exception, url: S3Url | str, what: str) -> Exception:
+def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
     """The typed error for a failed request (``what``: the operation, for the message); other
     exceptions are returned as they are."""
     from botocore import exceptions as bx
@@ -159,7 +108,7 @@ def error(e: Exception, url: S3Url | str, what: str) -> Exception:
         code = str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
         text = err.get("Message") or code
         attempts = e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
-        bucket = url.bucket if isinstance(url, S3Url) else name
+        bucket = url.bucket if isinstance(url, ObjectUrl) else name
         if code == "NoSuchBucket":
             return BucketNotFoundError(name, f"the bucket {bucket!r} does not exist ({what}); create it first, or "
                                        "check the URL and AWS_ENDPOINT_URL", code)

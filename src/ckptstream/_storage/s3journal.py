@@ -16,8 +16,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 
-from .publish import _process_alive as process_alive
-from .publish import pid_namespace
+from .publish import pid_namespace, process_alive
 
 
 def directory() -> str:

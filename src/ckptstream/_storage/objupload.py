@@ -1,9 +1,10 @@
-"""A new S3 object written as one multipart upload, straight from the staging buffers.
+"""A new object written as one multipart upload, straight from the staging buffers, through any
+``ObjectClient`` (its part limits: S3's are 5 MiB to 5 GiB, 10,000 parts).
 
 The engine writes chunks on the sink's grid (the part size, ``buffer_size``): each chunk is one
 part, uploaded from the staging buffer by the I/O thread that filled it, before the buffer is
 released, so several parts are in flight (one per I/O thread) and nothing is copied. The
-object's head (the safetensors header and the first data bytes, at least S3's 5 MiB minimum
+object's head (the safetensors header and the first data bytes, at least the store's minimum
 part) is held back in a small buffer instead: the header is written again, with its checksums,
 once the data is out, and the head goes up last, as part 1. Completing the upload publishes the
 object whole; aborting it leaves the old object (if any) as it was.
@@ -13,73 +14,33 @@ object whole; aborting it leaves the old object (if any) as it was.
 
 from __future__ import annotations
 
-import base64
-import io
 import threading
-from typing import Any
 
 from .. import _checksum
 from .._errors import ObjectStoreError
 from .._settings import DirectIO
-from . import s3client, s3deadline, s3journal
+from . import s3deadline, s3journal
 from .base import Sink, round_up
-from .s3client import S3Url
+from .objclient import ObjectClient, ObjectUrl, call
 
 MiB = 1 << 20
-MIN_PART = 5 * MiB  # S3's smallest part but the last
-MAX_PART = 5 << 30
-MAX_PARTS = 10_000
 DEFAULT_PART = 16 * MiB  # until the engine's grid sets it (a small object written without one)
 
 _live: set[str] = set()  # this process's uploads in flight: never taken for a dead writer's
 _live_lock = threading.Lock()
 
 
-def crc32c_b64(data: memoryview | bytes) -> str:
-    """A CRC-32C as S3's x-amz-checksum-crc32c header spells it."""
-    return base64.b64encode(_checksum.crc_of(data).to_bytes(4, "big")).decode()
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
-class ViewBody(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: botocore sends it (and rewinds it to retry)
-    without copying the bytes."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int | None = -1) -> Any:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = self._view[self._pos : end]
-        self._pos = end
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        memoryview(b).cast("B")[: len(data)] = data
-        return len(data)
-
-
-def check_part_size(url: S3Url, buffer_size: int, direct_io: DirectIO) -> None:
+def check_part_size(url: ObjectUrl, client: ObjectClient, buffer_size: int, direct_io: DirectIO) -> None:
     if direct_io is DirectIO.ON:
         raise ValueError(f"{url}: direct_io='on' is for local files; an object store takes 'auto' or 'off'")
-    if not MIN_PART <= buffer_size <= MAX_PART:
-        raise ValueError(f"{url}: buffer_size is the part size of an upload to an object store, which S3 allows "
-                         f"from {MIN_PART} (5 MiB) to {MAX_PART} (5 GiB) bytes; got {buffer_size}: set "
+    lo, hi = client.min_part, client.max_part
+    if not lo <= buffer_size <= hi:
+        raise ValueError(f"{url}: buffer_size is the part size of an upload to an object store, which {client.name} "
+                         f"allows from {lo} ({_size(lo)}) to {hi} ({_size(hi)}) bytes; got {buffer_size}: set "
                          "ckptstream.settings(buffer_size=...) in that range")
 
 
@@ -87,11 +48,10 @@ class MultipartSink(Sink):
     """Writes to ``url`` as one multipart upload (see the module's docstring); an object that
     ends inside the head is written with one PUT instead."""
 
-    def __init__(self, url: S3Url) -> None:
+    def __init__(self, url: ObjectUrl, client: ObjectClient) -> None:
         self.url, self.name = url, str(url)
-        self._client = s3client.client()
+        self._client = client
         self._limits = s3deadline.limits()  # the caller's: parts go up from the transfer's threads
-        self._endpoint = str(self._client.meta.endpoint_url)
         self._part = DEFAULT_PART
         self._first = self._first_part(DEFAULT_PART)
         self._head = bytearray()  # bytes [0, head_end)
@@ -100,18 +60,18 @@ class MultipartSink(Sink):
         self._lock = threading.Lock()
         self._upload_id: str | None = None
         self._start_failed: Exception | None = None
-        self._parts: dict[int, tuple[int, int, str, str]] = {}  # part -> (offset, length, etag, crc)
+        self._parts: dict[int, tuple[int, int, str, int]] = {}  # part -> (offset, length, etag, crc)
         self._end = 0  # the end of the furthest write
         self._state = "open"  # then "published" or "abandoned"
 
-    @staticmethod
-    def _first_part(part: int) -> int:
-        """The head's least size: S3's minimum, where the rest of the first grid cell still makes
-        a part of at least that size; else the whole first cell."""
-        return MIN_PART if part >= 2 * MIN_PART else part
+    def _first_part(self, part: int) -> int:
+        """The head's least size: the store's minimum, where the rest of the first grid cell
+        still makes a part of at least that size; else the whole first cell."""
+        least = self._client.min_part
+        return least if part >= 2 * least else part
 
     def grid(self, buffer_size: int, direct_io: DirectIO) -> int:
-        check_part_size(self.url, buffer_size, direct_io)
+        check_part_size(self.url, self._client, buffer_size, direct_io)
         with self._lock:
             if self._upload_id is None:
                 self._part, self._first = buffer_size, self._first_part(buffer_size)
@@ -159,18 +119,19 @@ class MultipartSink(Sink):
         else:
             raise ValueError(f"{self.name}: a write at offset {offset} does not start a part (parts start at "
                              f"{e} and at multiples of {s}); an object store's writes follow the sink's grid")
-        if number > MAX_PARTS:
-            raise ObjectStoreError(self.name, f"the object needs more than {MAX_PARTS} parts of {s} bytes (S3's "
-                                   f"limit); raise buffer_size to at least {-(-self._end // (MAX_PARTS - 1))}")
+        most = self._client.max_parts
+        if number > most:
+            raise ObjectStoreError(self.name, f"the object needs more than {most} parts of {s} bytes "
+                                   f"({self._client.name}'s limit); raise buffer_size to at least "
+                                   f"{-(-self._end // (most - 1))}")
         return number, (g if offset < g else offset + s)
 
     def _upload_part(self, number: int, data: memoryview, offset: int) -> None:
         upload_id = self._ensure_upload()
-        crc = crc32c_b64(data)
-        etag = s3client.request(self.url, f"uploading part {number} (bytes {offset}..{offset + len(data)})",
-                                self._client.upload_part, nbytes=len(data), limits=self._limits, Bucket=self.url.bucket,
-                                Key=self.url.key, UploadId=upload_id, PartNumber=number, Body=ViewBody(data),
-                                ContentLength=len(data), ChecksumCRC32C=crc)["ETag"]
+        crc = _checksum.crc_of(data)
+        etag: str = call(self._client, self.url, f"uploading part {number} (bytes {offset}..{offset + len(data)})",
+                         self._client.upload_part, self.url, upload_id, number, data, crc, nbytes=len(data),
+                         limits=self._limits)
         with self._lock:
             self._parts[number] = (offset, len(data), etag, crc)
 
@@ -181,17 +142,15 @@ class MultipartSink(Sink):
                 raise self._start_failed  # once per sink: the store has answered, after its retries
             if self._upload_id is None:
                 try:
-                    upload_id: str = s3client.request(
-                        self.url, "starting a multipart upload", self._client.create_multipart_upload,
-                        limits=self._limits, Bucket=self.url.bucket, Key=self.url.key,
-                        ChecksumAlgorithm="CRC32C")["UploadId"]
+                    upload_id: str = call(self._client, self.url, "starting a multipart upload",
+                                          self._client.create_upload, self.url, limits=self._limits)
                 except Exception as e:
                     self._start_failed = e
                     raise
                 self._upload_id = upload_id
                 with _live_lock:
                     _live.add(upload_id)
-                s3journal.record(self._endpoint, self.url.bucket, self.url.key, upload_id)
+                s3journal.record(self._client.endpoint, self.url.bucket, self.url.key, upload_id)
             return self._upload_id
 
     def _check_open(self) -> None:
@@ -219,9 +178,8 @@ class MultipartSink(Sink):
     def _put_whole(self) -> None:
         """An object within its head: one PUT."""
         data = memoryview(self._head)[: self._end]
-        s3client.request(self.url, f"writing the object ({len(data)} bytes)", self._client.put_object,
-                         nbytes=len(data), limits=self._limits, Bucket=self.url.bucket, Key=self.url.key,
-                         Body=ViewBody(data), ContentLength=len(data), ChecksumCRC32C=crc32c_b64(data))
+        call(self._client, self.url, f"writing the object ({len(data)} bytes)", self._client.put, self.url, data,
+             _checksum.crc_of(data), nbytes=len(data), limits=self._limits)
 
     def _complete(self, upload_id: str) -> None:
         head = memoryview(self._head)[: min(self._end, self._head_end)]
@@ -229,12 +187,10 @@ class MultipartSink(Sink):
             raise ObjectStoreError(self.name, f"the head holds {len(self._head)} bytes, expected {self._head_end}")
         self._check_parts()
         self._upload_part(1, head, 0)
-        parts = [{"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc}
-                 for n, (_, _, etag, crc) in sorted(self._parts.items())]
+        parts = [(n, etag, crc) for n, (_, _, etag, crc) in sorted(self._parts.items())]
         # the store assembles the object's bytes before it answers: they count in the deadline
-        s3client.request(self.url, f"completing the upload of {len(parts)} parts",
-                         self._client.complete_multipart_upload, nbytes=self._end, limits=self._limits,
-                         Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        call(self._client, self.url, f"completing the upload of {len(parts)} parts", self._client.complete_upload,
+             self.url, upload_id, parts, nbytes=self._end, limits=self._limits)
         self._forget(upload_id)
 
     def _check_parts(self) -> None:
@@ -261,8 +217,8 @@ class MultipartSink(Sink):
         if upload_id is None:
             return
         try:
-            s3client.request(self.url, "aborting the upload", self._client.abort_multipart_upload, limits=self._limits,
-                             Bucket=self.url.bucket, Key=self.url.key, UploadId=upload_id)
+            call(self._client, self.url, "aborting the upload", self._client.abort_upload, self.url, upload_id,
+                 limits=self._limits)
         except Exception:
             # unreachable store: the upload stays until a later writer of the key (or the store's
             # own expiry) aborts it; the journal tells it is abandoned
