@@ -2,7 +2,8 @@
 
 from typing import TYPE_CHECKING
 
-from ._checkpoint.load import load, open, read_metadata, verify
+from ._checkpoint.load import load, read_metadata, verify
+from ._checkpoint.load import open as open  # public, but not in __all__ (see there)
 from ._checkpoint.load_into import load_into
 from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
 from ._checkpoint.save import save
@@ -63,6 +64,8 @@ if not TYPE_CHECKING:  # type checkers see them gone
             return getattr(_settings, name)
         raise AttributeError(f"module 'ckptstream' has no attribute {name!r}")
 
+# ``open`` is public (ckptstream.open) but left out of __all__: ``from ckptstream import *`` must not
+# shadow the builtin
 __all__ = [
     "AsyncMode",
     "AccessDeniedError",
@@ -107,7 +110,6 @@ __all__ = [
     "check_steps",
     "load",
     "load_into",
-    "open",
     "read_metadata",
     "release_host_snapshot",
     "release_staging",

@@ -175,3 +175,7 @@ class StorageOptionsError(CkptStreamError, TypeError):
 
 class UnsupportedPathError(CkptStreamError, ValueError):
     """A checkpoint path on a remote file system (``s3://...``): StreamCheckpointIO writes local files."""
+
+
+class BenchError(CkptStreamError, RuntimeError):
+    """The benchmark cannot run as asked (disk space, memory, devices); the message says why."""
