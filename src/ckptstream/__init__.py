@@ -44,10 +44,8 @@ from ._settings import DirectIO, Settings, settings
 
 __version__ = "0.1.0"
 
-# 0.1.0's public helpers of the per-call keywords, which ``settings=`` replaced
+# 0.1.0's public helper of the per-call keywords, which ``settings=`` replaced
 _DEPRECATED = {
-    "INHERIT": "ckptstream.INHERIT is deprecated with the per-call buffer_size=... keywords: leave settings= "
-               "out (None) to use the settings in force",
     "current_settings": "ckptstream.current_settings() is deprecated: `with ckptstream.settings() as s:` gives "
                         "the settings in force, and settings=ckptstream.Settings(...) a complete value for one call",
 }

@@ -327,8 +327,8 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             (a file without them otherwise loads unchecked; see docs/reliability.md).
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``). 0.1.0's per-call ``buffer_size`` and
+            ``num_buffers`` are deprecated in its favour.
 
     Returns:
         The file's structure with its non-tensor leaves (step, param_groups, ...) and the
