@@ -6,8 +6,13 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import inspect
 import pkgutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 import ckptstream
 import ckptstream.errors
@@ -67,3 +72,16 @@ def test_every_public_exception_is_in_ckptstream_errors() -> None:
     assert ours - public == set()
     for name in public:
         assert getattr(ckptstream.errors, name) is classes[name]
+
+
+def test_device_parameters_are_typed_device_not_any() -> None:
+    """``ckptstream.Device`` (a torch.device, a str or an int) wherever a device is taken."""
+    import typing
+
+    assert set(typing.get_args(ckptstream.Device)) == {str, int, torch.device}
+    calls: list[Callable[..., Any]] = [ckptstream.load, ckptstream.load_into, ckptstream.CheckpointManager.load,
+             ckptstream.CheckpointManager.load_into, ckptstream.CheckpointReader.read,
+             ckptstream.CheckpointReader.load, ckptstream.CheckpointReader.get_slice]
+    for call in calls:  # the annotations as written (the modules postpone their evaluation)
+        hint = str(inspect.signature(call).parameters["device"].annotation)
+        assert hint.split(" | ")[0] == "Device", (call.__qualname__, hint)

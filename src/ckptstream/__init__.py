@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 from ._checkpoint.load import load, read_metadata, verify
 from ._checkpoint.load import open as open  # public, but not in __all__ (see there)
 from ._checkpoint.load_into import load_into
-from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
+from ._checkpoint.reader import CheckpointReader, Device, TensorEntry, TensorSlice
 from ._checkpoint.save import save
 from ._checkpoint.save_async import AsyncMode, SaveHandle, save_async
 from ._checkpoint.snapshot import host_snapshot_bytes, release_host_snapshot, warm_host_snapshot
@@ -77,6 +77,7 @@ __all__ = [
     "ConnectionLostError",
     "CorruptCheckpointError",
     "DeadlineExceededError",
+    "Device",
     "DirectIO",
     "DirectoryLockedError",
     "ExportError",

@@ -35,6 +35,7 @@ from .._storage import Source, storage_for
 from . import blocks
 from . import mapped as _mapped
 
+# what a user passes as a device: torch.device("cuda:1"), "cuda:1", "cpu" or a CUDA index
 Device = str | int | torch.device
 Key = str | KeyPath
 _FIRST_READ = 1 << 20  # most headers are shorter: read in one call

@@ -311,7 +311,7 @@ class CheckpointManager:
             return load_file(path, device=device, checksum=checksum, progress=progress, mmap=mmap,
                              require_checksums=checksum and self.checksum, settings=cfg)
 
-    def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Any = "auto",
+    def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Device | None = "auto",
                   checksum: bool = True, progress: bool = False, settings: Settings | None = None) -> Any:
         """``ckptstream.load_into`` from this process's file of checkpoint ``step`` (default: the
         newest). A freshly built optimizer works: its moments, which its ``state_dict()`` lacks,
