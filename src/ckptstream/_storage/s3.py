@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import errno
 import http.client
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from .base import Entry, Kind, Lock, Source, Storage
 from .s3client import S3Url
 from .s3record import WriterRecord
 from .s3upload import MultipartSink
+
+log = logging.getLogger(__name__)
 
 # an upload untouched for this long is aborted by the next writer of its key, whoever started it
 # (a live writer uploads a part at least every few minutes); as local temps
@@ -169,6 +172,8 @@ class S3Source(Source):
                     raise typed from e
                 cause = e
             failures += 1
+            log.debug("%s: %s broke (%s); asking again for the rest (%d of %d)", self.name, what, cause, failures,
+                      s3client.DEFAULT_ATTEMPTS)
             if failures >= s3client.DEFAULT_ATTEMPTS:
                 raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause

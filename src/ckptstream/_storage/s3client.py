@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import logging
 import os
 import threading
 from typing import Any
@@ -26,6 +27,8 @@ from .._errors import (
     ThrottledError,
 )
 from . import s3deadline
+
+log = logging.getLogger(__name__)
 
 SCHEME = "s3://"
 # attempts per request where the configuration sets none: throttling and lost connections are
@@ -96,6 +99,7 @@ def _make_client(timeout: float) -> Any:
     retries: dict[str, Any] = {"mode": core.get_config_variable("retry_mode") or "standard"}
     if core.get_config_variable("max_attempts") is None:
         retries["max_attempts"] = DEFAULT_ATTEMPTS
+    log.debug("S3 client: retries %s, %d connections, timeout %.1f s", retries, POOL_CONNECTIONS, timeout)
     options: dict[str, Any] = dict(
         max_pool_connections=POOL_CONNECTIONS,
         connect_timeout=timeout,

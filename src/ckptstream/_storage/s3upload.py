@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import threading
 from typing import Any
 
@@ -24,6 +25,8 @@ from .._settings import DirectIO
 from . import s3client, s3deadline, s3journal
 from .base import Sink, round_up
 from .s3client import S3Url
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part but the last
@@ -116,6 +119,8 @@ class MultipartSink(Sink):
             if self._upload_id is None:
                 self._part, self._first = buffer_size, self._first_part(buffer_size)
                 self._place_head()
+                log.debug("%s: multipart upload in parts of %d bytes (first part %d)", self.url, self._part,
+                          self._first)
         return self._part
 
     def _place_head(self) -> None:
