@@ -8,10 +8,12 @@ import builtins
 import importlib
 import inspect
 import pkgutil
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import ckptstream
@@ -85,3 +87,24 @@ def test_device_parameters_are_typed_device_not_any() -> None:
     for call in calls:  # the annotations as written (the modules postpone their evaluation)
         hint = str(inspect.signature(call).parameters["device"].annotation)
         assert hint.split(" | ")[0] == "Device", (call.__qualname__, hint)
+
+
+@pytest.mark.parametrize("mode", ["pinned", "DEVICE", 1, None])
+def test_a_bad_mode_is_refused_alike_by_every_entry_point(tmp_path: Path, mode: Any) -> None:
+    """One parser (``AsyncMode.parse``) behind save_async, the manager, DCP's writer and capture."""
+    import ckptstream.dcp
+    from ckptstream._checkpoint.capture import capture
+
+    message = rf"^mode must be one of \['device', 'lazy', 'host'\], got {re.escape(repr(mode))}$"
+    state = {"w": torch.zeros(3)}
+    calls: list[Callable[[], object]] = [
+        lambda: ckptstream.save_async(state, tmp_path / "a.safetensors", mode=mode),
+        lambda: ckptstream.CheckpointManager(tmp_path / "ckpts", mode=mode),
+        lambda: ckptstream.dcp.StreamWriter(tmp_path / "dcp", mode=mode),
+        lambda: capture([state["w"]], mode),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert not (tmp_path / "a.safetensors").exists()
+    assert ckptstream.AsyncMode.parse("lazy") is ckptstream.AsyncMode.LAZY
