@@ -2,9 +2,10 @@
 
 from typing import TYPE_CHECKING
 
-from ._checkpoint.load import load, open, read_metadata, verify
+from ._checkpoint.load import load, read_metadata, verify
+from ._checkpoint.load import open as open  # public, but not in __all__ (see there)
 from ._checkpoint.load_into import load_into
-from ._checkpoint.reader import CheckpointReader, TensorEntry, TensorSlice
+from ._checkpoint.reader import CheckpointReader, Device, TensorEntry, TensorSlice
 from ._checkpoint.save import save
 from ._checkpoint.save_async import AsyncMode, SaveHandle, save_async
 from ._checkpoint.snapshot import host_snapshot_bytes, release_host_snapshot, warm_host_snapshot
@@ -43,10 +44,8 @@ from ._settings import DirectIO, Settings, settings
 
 __version__ = "0.1.0"
 
-# 0.1.0's public helpers of the per-call keywords, which ``settings=`` replaced
+# 0.1.0's public helper of the per-call keywords, which ``settings=`` replaced
 _DEPRECATED = {
-    "INHERIT": "ckptstream.INHERIT is deprecated with the per-call buffer_size=... keywords: leave settings= "
-               "out (None) to use the settings in force",
     "current_settings": "ckptstream.current_settings() is deprecated: `with ckptstream.settings() as s:` gives "
                         "the settings in force, and settings=ckptstream.Settings(...) a complete value for one call",
 }
@@ -63,6 +62,8 @@ if not TYPE_CHECKING:  # type checkers see them gone
             return getattr(_settings, name)
         raise AttributeError(f"module 'ckptstream' has no attribute {name!r}")
 
+# ``open`` is public (ckptstream.open) but left out of __all__: ``from ckptstream import *`` must not
+# shadow the builtin
 __all__ = [
     "AsyncMode",
     "AccessDeniedError",
@@ -76,6 +77,7 @@ __all__ = [
     "ConnectionLostError",
     "CorruptCheckpointError",
     "DeadlineExceededError",
+    "Device",
     "DirectIO",
     "DirectoryLockedError",
     "ExportError",
@@ -107,7 +109,6 @@ __all__ = [
     "check_steps",
     "load",
     "load_into",
-    "open",
     "read_metadata",
     "release_host_snapshot",
     "release_staging",

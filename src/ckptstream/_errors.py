@@ -177,3 +177,7 @@ class UnsupportedPathError(CkptStreamError, ValueError):
     """Raised by nothing now: StreamCheckpointIO takes the URLs of every storage ckptstream has
     (a URL of any other scheme raises ``UnsupportedStorageError``). Kept so that code that
     catches it still imports."""
+
+
+class BenchError(CkptStreamError, RuntimeError):
+    """The benchmark cannot run as asked (disk space, memory, devices); the message says why."""

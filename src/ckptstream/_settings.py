@@ -45,23 +45,6 @@ class DirectIO(str, enum.Enum):
         raise ValueError(f"direct_io must be 'auto', 'on' or 'off' (or True / False), got {value!r}")
 
 
-class _Inherit:
-    """0.1.0's default of the per-call options (deprecated with them): the value in force."""
-
-    _instance: _Inherit | None = None
-
-    def __new__(cls) -> _Inherit:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "INHERIT"
-
-
-INHERIT: Final = _Inherit()
-
-
 @dataclasses.dataclass(frozen=True, init=False)
 class Settings:
     """The settings of a transfer: those in force (the defaults, the ``CKPTSTREAM_*``
@@ -200,19 +183,31 @@ def settings(**overrides: Unpack[SettingsFields]) -> Iterator[Settings]:
 
 
 class LegacyKeywords(TypedDict, total=False):
-    """The per-call keywords that ``settings=`` replaces (accepted, with a DeprecationWarning)."""
+    """0.1.0's per-call keywords of ``load``, ``load_into``, ``device_to_file`` and
+    ``file_to_device``, which ``settings=`` replaces (accepted, with a DeprecationWarning)."""
 
     buffer_size: int | None
     num_buffers: int | None
-    io_threads: int | None
+
+
+class LegacySaveKeywords(LegacyKeywords, total=False):
+    """0.1.0's per-call keywords of ``save``: those of ``LegacyKeywords`` and ``direct_io``."""
+
     direct_io: DirectIO | str | bool | None
 
 
-LEGACY_KEYWORDS: Final = ("buffer_size", "num_buffers", "io_threads", "direct_io")
+# the deprecated keywords of each function that 0.1.0 released with them; no other call takes any
+RELEASED: Final = {
+    "save": ("buffer_size", "num_buffers", "direct_io"),
+    "load": ("buffer_size", "num_buffers"),
+    "load_into": ("buffer_size", "num_buffers"),
+    "device_to_file": ("buffer_size", "num_buffers"),
+    "file_to_device": ("buffer_size", "num_buffers"),
+}
 
 
 def _reject_unknown(where: str, given: Mapping[str, object]) -> None:
-    unknown = [name for name in given if name not in LEGACY_KEYWORDS]
+    unknown = [name for name in given if name not in RELEASED.get(where, ())]
     if unknown:  # what Python says for a keyword the signature lacks
         raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
 
@@ -229,7 +224,7 @@ def legacy_overrides(where: str, legacy: Mapping[str, object], settings: object 
                      stacklevel: int = 3) -> dict[str, object]:
     """The deprecated per-call keywords of ``where`` that were given, with a DeprecationWarning
     that names the new way (``settings=`` or the ``with ckptstream.settings(...)`` scope);
-    None (as 0.1.0 spelled "inherit") and ``INHERIT`` values are dropped. Raises TypeError for
+    None (as 0.1.0 spelled "inherit") values are dropped. Raises TypeError for
     an unknown keyword, or for the keywords together with ``settings=``."""
     _reject_unknown(where, legacy)
     if not legacy:
@@ -240,7 +235,7 @@ def legacy_overrides(where: str, legacy: Mapping[str, object], settings: object 
     warnings.warn(f"{where}({names}) is deprecated: pass settings=ckptstream.Settings({names}) (a complete "
                   "value), or change the settings in force with `with ckptstream.settings(...)`",
                   DeprecationWarning, stacklevel=stacklevel)
-    return {name: value for name, value in legacy.items() if value is not None and value is not INHERIT}
+    return {name: value for name, value in legacy.items() if value is not None}
 
 
 def overlay(overrides: Mapping[str, object]) -> Settings:

@@ -143,15 +143,11 @@ def test_read_slices_verifies_whole_tensors(tmp_path: Path) -> None:
         assert not same_bits(reader.read_slices([("w", [0], None, "cpu")], checksum=False)[0], w)
 
 
-def test_the_mode_is_checked_and_staging_is_its_deprecated_name() -> None:
+def test_the_mode_is_checked() -> None:
     with pytest.raises(ValueError, match=r"mode must be one of \['device', 'lazy', 'host'\], got 'pinned'"):
         StreamWriter("/nonexistent", mode="pinned")
-    with pytest.warns(DeprecationWarning, match=r"staging=\.\.\.\) is deprecated: use mode="):
-        writer = StreamWriter("/nonexistent", staging="lazy")
-    assert writer.mode is ckptstream.AsyncMode.LAZY
+    assert StreamWriter("/nonexistent", mode="lazy").mode is ckptstream.AsyncMode.LAZY
     assert StreamWriter("/nonexistent", mode=ckptstream.AsyncMode.HOST).mode is ckptstream.AsyncMode.HOST
-    with pytest.warns(DeprecationWarning, match="use ckptstream.AsyncMode"):
-        assert ckptstream.dcp.Staging is ckptstream.AsyncMode
 
 
 def test_unsupported_dtype_refused_before_any_file(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .. import _gc
 from .._engine import gpucrc
 from .._errors import ObjectReplacedError
-from .._settings import LegacyKeywords, Settings, current_settings, legacy_overrides, per_call
+from .._settings import LegacyKeywords, Settings, current_settings, per_call
 from . import mapped
 from .reader import CheckpointReader, Device, as_device
 
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def open(path: str | os.PathLike[str], *, require_checksums: bool = False, settings: Settings | None = None,
-         **legacy: Unpack[LegacyKeywords]) -> CheckpointReader:
+def open(path: str | os.PathLike[str], *, require_checksums: bool = False,
+         settings: Settings | None = None) -> CheckpointReader:
     """Open a checkpoint (ckptstream's or any safetensors file) for lazy, typed reads.
 
     The header is read and validated now (tensor table, structure, checksums); tensor data only
@@ -33,8 +33,7 @@ def open(path: str | os.PathLike[str], *, require_checksums: bool = False, setti
         require_checksums: refuse a file that stores no checksums (see ``load``).
         settings: the ``Settings`` of this reader's reads (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``).
 
     Returns:
         A CheckpointReader: ``keys()`` (every tensor's key path, e.g. "optim.state.0.exp_avg"),
@@ -54,7 +53,7 @@ def open(path: str | os.PathLike[str], *, require_checksums: bool = False, setti
         ...     wte = ckpt.read("model.wte.weight", device="cuda")
         ...     rows = ckpt.get_slice("model.wte.weight")[1000:2000]
     """
-    return CheckpointReader(path, per_call("open", settings, legacy), require_checksums=require_checksums)
+    return CheckpointReader(path, per_call("open", settings, {}), require_checksums=require_checksums)
 
 
 def once_more_if_replaced(read: Callable[[], T]) -> T:
@@ -110,9 +109,8 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
             files of other writers) are copied instead. No file descriptor stays open.
         require_checksums: refuse, before reading any data, a file that stores no checksums
             (see docs/reliability.md, "Requiring checksums").
-        settings: the ``Settings`` of this call (a complete value); None: those in force. The
-            per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords
-            are deprecated in its favour.
+        settings: the ``Settings`` of this call (a complete value); None: those in force.
+            0.1.0's per-call ``buffer_size`` and ``num_buffers`` are deprecated in its favour.
 
     Returns:
         The state with its container types, key order, key types and leaves; tensors that
@@ -146,7 +144,7 @@ def load(path: str | os.PathLike[str], *, device: Device = "cpu", checksum: bool
 
 
 def verify(path: str | os.PathLike[str], *, progress: bool = False, require_checksums: bool = False,
-           settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> None:
+           settings: Settings | None = None) -> None:
     """Check a checkpoint without loading it: header, structure, length, and every checksum.
 
     Args:
@@ -160,7 +158,7 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False, require_chec
         CorruptCheckpointError: naming what is wrong (and which tensor, for a checksum).
         ChecksumsMissingError: ``require_checksums`` and the file stores no checksums.
     """
-    cfg = per_call("verify", settings, legacy)
+    cfg = per_call("verify", settings, {})
 
     def read() -> None:
         with CheckpointReader(path, cfg, require_checksums=require_checksums) as reader:
@@ -169,10 +167,8 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False, require_chec
     once_more_if_replaced(read)
 
 
-def read_metadata(path: str | os.PathLike[str], **legacy: Unpack[LegacyKeywords]) -> dict[str, str]:
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The user's metadata of a checkpoint (without ckptstream's own keys); only the header is
-    read. (The ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords it
-    accepted changed nothing: they are deprecated.)"""
-    legacy_overrides("read_metadata", legacy)
+    read."""
     with CheckpointReader(path, current_settings()) as reader:
         return reader.metadata

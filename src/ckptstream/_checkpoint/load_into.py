@@ -31,7 +31,7 @@ from .._format.flatten import walk
 from .._format.structure import KeyPath, View, key_str, make_view
 from .._settings import LegacyKeywords, Settings, per_call
 from .load import checksum_argument, once_more_if_replaced
-from .reader import CheckpointReader, TensorEntry, target_device
+from .reader import CheckpointReader, Device, TensorEntry, target_device
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -261,7 +261,7 @@ def _empty_containers(node: Any, path: KeyPath = (), found: set[KeyPath] | None 
     return found
 
 
-def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.Tensor], device: Any
+def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.Tensor], device: Device | None
              ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, torch.Tensor]]:
     """New tensors for the file's tensors that ``state`` lacks below an empty container of it,
     and the blobs of shared bytes that those stored as views are views of (each of its stored
@@ -269,7 +269,7 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
     absent = [e for e in reader.entries() if e.path not in targets] if device is not None else []
     empty = _empty_containers(state) if absent else set()
     wanted = [e for e in absent if empty and any(e.path[:i] in empty for i in range(len(e.path)))]
-    if not wanted:
+    if not wanted or device is None:  # None: wanted is empty (absent was), said again for the type
         return {}, {}
     if device == "auto":
         gpus = {t.device for t in targets.values() if t.device.type != "cpu"}
@@ -297,7 +297,7 @@ def _created(reader: CheckpointReader, state: Any, targets: dict[KeyPath, torch.
     return created, blobs
 
 
-def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Any = "auto",
+def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, device: Device | None = "auto",
               checksum: bool = True, progress: bool = False, require_checksums: bool = False,
               verify: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
     """Fill the tensors of ``state`` in place (same storage, on their own devices) from a checkpoint.
@@ -327,8 +327,8 @@ def load_into(state: Any, path: str | os.PathLike[str], *, strict: bool = True, 
             (a file without them otherwise loads unchecked; see docs/reliability.md).
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``). 0.1.0's per-call ``buffer_size`` and
+            ``num_buffers`` are deprecated in its favour.
 
     Returns:
         The file's structure with its non-tensor leaves (step, param_groups, ...) and the

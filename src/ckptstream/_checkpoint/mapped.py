@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -38,6 +38,9 @@ from .._errors import TruncatedFileError, UnsupportedStorageError
 from .._format.header import Header, TensorInfo
 from .._progress import progress_bar
 from .._storage import Region, Source, round_down
+
+if TYPE_CHECKING:
+    from .reader import Device
 
 PIECE = 4 << 20  # bytes per checksum piece: a large tensor is checksummed by several threads
 TASK = 4 << 20  # bytes a thread takes at a time (runs of small tensors grouped up to it): small
@@ -117,7 +120,7 @@ def mapped_load(path: str, source: Source, header: Header, device: torch.device,
     return True, tensors()
 
 
-def check_device(device: Any) -> None:
+def check_device(device: Device) -> None:
     """ValueError unless ``device`` names the CPU, where a mapping of the file can back tensors."""
     if torch.device(device).type != "cpu":
         raise ValueError(f"mmap=True maps the file into CPU memory, so it loads to device='cpu' only, got "

@@ -16,7 +16,6 @@ import heapq
 import math
 import operator
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from .._storage import Source, storage_for
 from . import blocks
 from . import mapped as _mapped
 
+# what a user passes as a device: torch.device("cuda:1"), "cuda:1", "cpu" or a CUDA index
 Device = str | int | torch.device
 Key = str | KeyPath
 _FIRST_READ = 1 << 20  # most headers are shorter: read in one call
@@ -287,15 +287,6 @@ class CheckpointReader:
             with torch.no_grad():
                 tensor.copy_(self.read(key, device=tensor.device, checksum=checksum))
         return tensor
-
-    def read_slice(self, key: Key, offsets: Sequence[int], lengths: Sequence[int] | None = None, *,
-                   into: torch.Tensor | None = None, device: Device = "cpu") -> torch.Tensor:
-        """Deprecated: ``get_slice(key, device=...)[...]`` reads a box by indexing, and
-        ``read_slices([(key, offsets, lengths, into)])`` into a given tensor."""
-        warnings.warn("CheckpointReader.read_slice() is deprecated: index get_slice(key) (e.g. "
-                      "reader.get_slice(key, device=...)[1000:2000]), or read into a tensor with "
-                      "read_slices([(key, offsets, lengths, into)])", DeprecationWarning, stacklevel=2)
-        return self.read_slices([(key, offsets, lengths, into if into is not None else device)])[0]
 
     def read_slices(self, requests: Sequence[tuple[Key, Sequence[int], Sequence[int] | None,
                                                    torch.Tensor | Device]], *,

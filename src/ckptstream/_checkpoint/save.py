@@ -25,7 +25,7 @@ from .._format import header as _header
 from .._format.flatten import flatten
 from .._format.header import TensorInfo
 from .._progress import progress_bar
-from .._settings import LegacyKeywords, Settings, per_call
+from .._settings import LegacySaveKeywords, Settings, per_call
 from .._storage import storage_for
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ NOT_STARTED = "the save was interrupted before it began; nothing was published"
 
 def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
          checksum: bool = True, progress: bool = False, settings: Settings | None = None,
-         **legacy: Unpack[LegacyKeywords]) -> None:
+         **legacy: Unpack[LegacySaveKeywords]) -> None:
     """Save a training state to one safetensors file, atomically.
 
     Args:
@@ -144,8 +144,8 @@ def save(state: Any, path: str | os.PathLike[str], *, metadata: Mapping[str, str
         progress: show a progress bar on stderr.
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``). 0.1.0's per-call ``buffer_size``,
+            ``num_buffers`` and ``direct_io`` are deprecated in its favour.
 
     Raises:
         UnsupportedTypeError: a value that cannot be stored (named by its key path), before

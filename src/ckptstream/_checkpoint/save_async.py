@@ -32,19 +32,16 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._engine import control
 from .._errors import CheckpointNotSavedError, SnapshotFallbackWarning
-from .._settings import LegacyKeywords, Settings, per_call
+from .._settings import Settings, per_call
 from .._storage import storage_for
 from . import exiting
 from .capture import BY_VALUE_BYTES, MODES, AsyncMode, Captured, capture
 from .guard import HostCopies
 from .save import plan_checkpoint, write_checkpoint
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = ["BY_VALUE_BYTES", "MODES", "AsyncMode", "SaveHandle", "begin", "in_flight", "save_async"]
 
@@ -124,12 +121,6 @@ class SaveHandle:
             self._reported = True
             raise self._error
         return self.path
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Deprecated: ``result()`` (the same, the name of ``concurrent.futures``)."""
-        warnings.warn("SaveHandle.wait() is deprecated: use result(), which is the same", DeprecationWarning,
-                      stacklevel=2)
-        return self.result(timeout)
 
     @property
     def seconds_to_staged(self) -> float | None:
@@ -354,8 +345,7 @@ def begin(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str, me
 
 def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device",
                metadata: Mapping[str, str] | None = None, checksum: bool = True, progress: bool = False,
-               max_in_flight: int = 1, settings: Settings | None = None,
-               **legacy: Unpack[LegacyKeywords]) -> SaveHandle:
+               max_in_flight: int = 1, settings: Settings | None = None) -> SaveHandle:
     """Save a training state in the background; returns at once with a ``SaveHandle``.
 
     The file is published exactly as ``save`` publishes it (a temp beside ``path``, fsynced,
@@ -395,8 +385,7 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
             whose file is ready first waits for the earlier save of the path to end).
         settings: the ``Settings`` of this save (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force at the call (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``).
 
     Returns:
         A SaveHandle: ``wait_staged()``, ``result()`` (durable, or the worker's exception),
@@ -418,7 +407,7 @@ def save_async(state: Any, path: str | os.PathLike[str], *, mode: AsyncMode | st
         >>> loss_fn(model(inputs), targets).backward()                 # training goes on
         >>> handle.result()                                             # durable now
     """
-    cfg = per_call("save_async", settings, legacy)
+    cfg = per_call("save_async", settings, {})
     return begin(state, path, mode=mode, metadata=metadata, checksum=checksum, progress=progress,
                  max_in_flight=max_in_flight, cfg=cfg)
 

@@ -35,9 +35,8 @@ def device_to_file(src: torch.Tensor, file: FileLike, *, offset: int | None = No
             append); an int writes at that offset and leaves the position alone.
         stream: the CUDA stream whose queued work produces ``src`` (default: the current stream).
         settings: the ``Settings`` of this call (a complete value, e.g.
-            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. The per-call
-            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
-            deprecated in its favour.
+            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. 0.1.0's per-call
+            ``buffer_size`` and ``num_buffers`` are deprecated in its favour.
 
     Returns:
         The number of bytes written (``src.numel() * src.element_size()``).
@@ -74,9 +73,8 @@ def file_to_device(file: FileLike, dst: torch.Tensor, *, offset: int | None = No
         offset: None reads at the file's current position and advances it; an int reads there.
         stream: the CUDA stream whose later work uses ``dst`` (default: the current stream).
         settings: the ``Settings`` of this call (a complete value, e.g.
-            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. The per-call
-            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
-            deprecated in its favour.
+            ``ckptstream.Settings(buffer_size=4 << 20)``); None: those in force. 0.1.0's per-call
+            ``buffer_size`` and ``num_buffers`` are deprecated in its favour.
 
     Returns:
         The number of bytes read (always ``dst.numel() * dst.element_size()``).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,8 @@ from . import control, streams
 from .buffers import POOL, StagingBuffer
 from .plan import Chunk, Part, Piece, check_pieces, plan
 from .tensor_bytes import flat_bytes, host_bytes
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 PartCrcs = list[tuple[int, int, int]]  # (piece, CRC-32C, length) of one chunk's parts, in order
@@ -105,6 +108,9 @@ class Engine(Generic[T]):
         self.streams.begin()
         count = min(self.cfg.io_threads, len(self._buffers) or len(self.chunks))
         name = f"ckptstream-{'write' if self.writing else 'read'}-{next(_ENGINES)}"
+        log.debug("%s %s: %d chunks on a grid of %d, %d I/O threads, %d staging buffers of %d bytes%s", name,
+                  self.file.name, len(self.chunks), self.grid, count, len(self._buffers), self.cfg.buffer_size,
+                  " (pinned)" if self.streams.pinned else "")
         for i, take in enumerate(self.claims(count)):
             own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
             thread = threading.Thread(target=self._thread, args=(own, take), name=f"{name}-{i}", daemon=True)

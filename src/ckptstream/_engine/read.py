@@ -16,6 +16,7 @@ import bisect
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,8 @@ from .control import Failure, Stopped
 from .engine import BATCH, Engine
 from .plan import Chunk, Part, Piece
 from .tensor_bytes import copy_in
+
+log = logging.getLogger(__name__)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -119,8 +122,11 @@ class ReadEngine(Engine[Source]):
         the threads, which ranges would serialise), and so do sources without such readers
         (an object store: a ranged request per chunk wherever it lies)."""
         if count <= 1 or self._carry_order.any or self.grid != 1 or not self.file.sequential_readers:
+            log.debug("%s: chunks taken in turns by %d thread(s)", self.file.name, count)
             return super().claims(count)
         ranges = _split(self.chunks, count)
+        log.debug("%s: one contiguous range of the chunks per thread (%s chunks)", self.file.name,
+                  "/".join(str(len(r)) for r in ranges))
 
         def taker(chunks: Iterator[Chunk]) -> Callable[[], Chunk | None]:
             return lambda: None if self.failure.stopped else next(chunks, None)
@@ -156,6 +162,9 @@ class ReadEngine(Engine[Source]):
             return cfg
         staging = cfg.buffer_size * cfg.num_buffers
         size = max(ALIGN, staging // max(threads, cfg.num_buffers) // ALIGN * ALIGN)
+        log.debug("%s: hot load into host memory: %d readers, %d buffers of %d bytes (configured: %d, %d x %d)",
+                  file.name, threads, max(threads, cfg.num_buffers), size, cfg.io_threads, cfg.num_buffers,
+                  cfg.buffer_size)
         return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=max(threads, cfg.num_buffers))
 
     def _has_ordered(self, chunk: Chunk) -> bool:

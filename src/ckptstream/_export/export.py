@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ from .._engine.control import interrupts_deferred, raise_if_interrupted
 from .._errors import ExportError
 from .._format import header as _header
 from .._progress import progress_bar
-from .._settings import LegacyKeywords, Settings, per_call
+from .._settings import Settings, per_call
 from .._storage import Sink, Storage, scheme_of, storage_for
 from .copy import Copier
 from .plan import (
@@ -44,9 +44,6 @@ from .plan import (
     split,
 )
 from .sources import find
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 MAX_CONFIG = 16 << 20  # a model's config.json is a few KiB
 
@@ -67,8 +64,8 @@ class HFExport:
 
 def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefix: str | None = None,
               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: str | torch.dtype | None = None,
-              config: str | os.PathLike[str] | None = None, progress: bool = False, settings: Settings | None = None,
-              **legacy: Unpack[LegacyKeywords]) -> HFExport:
+              config: str | os.PathLike[str] | None = None, progress: bool = False,
+              settings: Settings | None = None) -> HFExport:
     """Export a checkpoint's model tensors to a Hugging Face model folder that
     ``from_pretrained`` loads, streaming them through ckptstream's staging buffers (host memory
     stays at the staging buffers, whatever the model's size).
@@ -92,8 +89,7 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
         progress: show a progress bar on stderr.
         settings: the ``Settings`` of this call (a complete value, e.g.
             ``ckptstream.Settings(buffer_size=64 << 20)``); None: those in force (see
-            ``ckptstream.settings``). The per-call ``buffer_size``, ``num_buffers``,
-            ``io_threads`` and ``direct_io`` keywords are deprecated in its favour.
+            ``ckptstream.settings``).
 
     Tensors that the source stores as one (tied weights: ``lm_head.weight`` and
     ``wte.weight``) are written once, under the name that comes first in the state, as
@@ -116,7 +112,7 @@ def export_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, prefi
         >>> ckptstream.export_hf("ckpts", "hf-model", prefix="model.", dtype="bf16", config="config.json")
         >>> model = transformers.AutoModelForCausalLM.from_pretrained("hf-model")
     """
-    cfg = per_call("export_hf", settings, legacy)
+    cfg = per_call("export_hf", settings, {})
     target, limit = parse_dtype(dtype), parse_size(max_shard_size)
     src_path, folder = os.fsdecode(src), os.fsdecode(out)
     config_bytes = _read_config(os.fsdecode(config)) if config is not None else None

@@ -9,24 +9,20 @@ import functools
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._checkpoint.load import load as load_file
 from .._checkpoint.load_into import load_into as load_into_file
 from .._checkpoint.reader import Device
 from .._checkpoint.save_async import AsyncMode, SaveHandle, begin, check_options
 from .._errors import ChecksumsMissingError, StateMismatchError, ThreadStartError
-from .._settings import LegacyKeywords, Settings, check_settings, legacy_overrides, overlay
+from .._settings import Settings, check_settings, current_settings
 from .._storage import storage_for
 from . import directory as _directory
 from . import reports
 from .directory import StepCheck, check_step, check_steps
 from .ranks import FileRanks, GroupRanks, Ranks
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager", "StepCheck", "check_step", "check_steps"]
 
@@ -84,13 +80,10 @@ class CheckpointManager:
             ``CheckpointTimeoutError``).
         settings: the ``Settings`` of every transfer of this manager, its saves and loads (a
             complete value); None: those in force at each call (see ``ckptstream.settings``).
-            The per-call ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io``
-            keywords are deprecated in its favour.
 
     Every method takes the state first and the step second, as ``ckptstream.save(state,
     path)`` and ``ckptstream.load_into(state, path)`` take the state and then where it goes:
-    ``save(state, step)``, ``load_into(state, step)``, ``load(step)``. (``save(step, state)``
-    still works, with a DeprecationWarning.)
+    ``save(state, step)``, ``load_into(state, step)``, ``load(step)``.
 
     A crash at any point leaves ``latest_step()`` on the previous complete step; leftovers of
     interrupted saves are ignored and removed later. Use it as a context manager, or call
@@ -116,8 +109,8 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, mode: AsyncMode | str = "device",
                  max_in_flight: int = 1, checksum: bool = True, rank: int | None = None,
-                 world_size: int | None = None, timeout: float = 1800.0, settings: Settings | None = None,
-                 **legacy: Unpack[LegacyKeywords]) -> None:
+                 world_size: int | None = None, timeout: float = 1800.0,
+                 settings: Settings | None = None) -> None:
         mode = check_options(mode, max_in_flight)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an integer >= 1 or None (keep all), got {keep!r}")
@@ -125,7 +118,6 @@ class CheckpointManager:
         self.directory = self._storage.absolute(os.fspath(directory))
         self.keep, self.mode, self.max_in_flight, self.checksum = keep, mode, max_in_flight, checksum
         self._given = check_settings(settings, "CheckpointManager")
-        self._overrides = legacy_overrides("CheckpointManager", legacy, self._given)
         self._settings()  # bad settings raise now, not at the first save
         self._ranks = _ranks(self.directory, rank, world_size, timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
@@ -175,9 +167,6 @@ class CheckpointManager:
         """Save ``state`` as checkpoint ``step`` in the background (``save_async``); with
         ``blocking`` return once it is complete. Every rank saves the same steps.
 
-        ``save(step, state)``, the order of 0.1.0, is recognised by its int step first and a
-        state that is not an int, and works with a DeprecationWarning.
-
         The handle's ``result()`` returns once the step is complete (every rank's file durable,
         then the DONE marker), and raises why not otherwise; older checkpoints beyond ``keep``
         are deleted after that.
@@ -188,11 +177,6 @@ class CheckpointManager:
             DirectoryLockedError: another manager writes the directory as this rank.
             as ``save_async``.
         """
-        if _is_step(state) and not _is_step(step):
-            warnings.warn("CheckpointManager.save(step, state) is deprecated: pass the state first, "
-                          "save(state, step), as every method of the manager and ckptstream.save(state, path) do",
-                          DeprecationWarning, stacklevel=2)
-            state, step = step, state
         self._check_writer()
         if not _is_step(step) or not 0 <= step <= _directory.LARGEST_STEP:
             raise ValueError(f"step must be an integer in [0, {_directory.LARGEST_STEP}], got {step!r}")
@@ -317,25 +301,24 @@ class CheckpointManager:
     # --- loading --------------------------------------------------------------------------
 
     def load(self, step: int | None = None, *, device: Device = "cpu", checksum: bool = True, progress: bool = False,
-             mmap: bool | None = None, settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> Any:
+             mmap: bool | None = None, settings: Settings | None = None) -> Any:
         """``ckptstream.load`` of this process's file of checkpoint ``step`` (default: the newest);
         ``settings`` (default: the manager's) as for ``ckptstream.load``. With ``checksum`` (and
         the manager's), a file that stores no checksums is refused (ChecksumsMissingError)."""
-        cfg = self._settings(settings, legacy, "CheckpointManager.load")
+        cfg = self._settings(settings, "CheckpointManager.load")
         path = self.path(step)
         with self._own_file(path):
             return load_file(path, device=device, checksum=checksum, progress=progress, mmap=mmap,
                              require_checksums=checksum and self.checksum, settings=cfg)
 
-    def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Any = "auto",
-                  checksum: bool = True, progress: bool = False, settings: Settings | None = None,
-                  **legacy: Unpack[LegacyKeywords]) -> Any:
+    def load_into(self, state: Any, step: int | None = None, *, strict: bool = True, device: Device | None = "auto",
+                  checksum: bool = True, progress: bool = False, settings: Settings | None = None) -> Any:
         """``ckptstream.load_into`` from this process's file of checkpoint ``step`` (default: the
         newest). A freshly built optimizer works: its moments, which its ``state_dict()`` lacks,
         are created on ``device`` (see ``load_into``); pass the result's part to
         ``optimizer.load_state_dict``. ``settings`` (default: the manager's) as for
         ``ckptstream.load_into``; a file without checksums is refused as by ``load``."""
-        cfg = self._settings(settings, legacy, "CheckpointManager.load_into")
+        cfg = self._settings(settings, "CheckpointManager.load_into")
         path = self.path(step)
         with self._own_file(path):
             return load_into_file(state, path, strict=strict, device=device, checksum=checksum, progress=progress,
@@ -353,16 +336,12 @@ class CheckpointManager:
                 "ckptstream's __metadata__, or a manager with checksum=False saved it; restore the step from a copy, "
                 "or load it with checksum=False to read it unchecked") from e
 
-    def _settings(self, settings: object = None, legacy: LegacyKeywords | None = None, where: str = "") -> Settings:
-        """The settings of one transfer: the call's, else the manager's, else those in force
-        (with the deprecated keywords of the call, or else of the manager, applied)."""
+    def _settings(self, settings: object = None, where: str = "") -> Settings:
+        """The settings of one transfer: the call's, else the manager's, else those in force."""
         given = check_settings(settings, where)
-        overrides = legacy_overrides(where, legacy or {}, given, stacklevel=4)
         if given is not None:
             return given
-        if overrides:
-            return overlay(overrides)
-        return self._given if self._given is not None else overlay(self._overrides)
+        return self._given if self._given is not None else current_settings()
 
     # --- life -----------------------------------------------------------------------------
 

@@ -3,11 +3,15 @@ registered for that scheme.
 
 A built-in implementation is made by a function of its own (``BUILTIN``) that imports its
 module when called: ``import ckptstream`` imports no client library, only the first URL of its
-scheme does. Tests register their own (``register``).
+scheme does. Tests register their own (``register``). A scheme that is neither registered nor
+built in is looked up in the ``ckptstream.storages`` entry-point group, so that installing a
+distribution that declares ``foo = ckptstream_foo:FooStorage`` there adds ``foo://`` URLs (the
+entry point names a callable, a ``Storage`` subclass or a function, that makes the storage).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -28,6 +32,9 @@ def _s3() -> Storage:
 BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3}
 # what to install for a built-in scheme whose module needs an optional extra (pip install ckptstream[...])
 EXTRAS: dict[str, str] = {"s3": "s3"}
+
+ENTRY_POINTS = "ckptstream.storages"  # the group of third parties' storages, one entry point per scheme
+log = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _registered: dict[str, Callable[[], Storage]] = {}
@@ -61,7 +68,7 @@ def storage_for(target: str | os.PathLike[str] | bytes) -> Storage:
 
 
 def _make(scheme: str, url: str) -> Storage:
-    factory = _registered.get(scheme) or BUILTIN.get(scheme)
+    factory = _registered.get(scheme) or BUILTIN.get(scheme) or _entry_point(scheme, url)
     if factory is None:
         known = sorted({*_registered, *BUILTIN})
         raise UnsupportedStorageError(
@@ -74,6 +81,25 @@ def _make(scheme: str, url: str) -> Storage:
         extra = EXTRAS.get(scheme)
         hint = f"install it with pip install 'ckptstream[{extra}]'" if extra else "its module is missing"
         raise UnsupportedStorageError(f"{url}: the storage of {scheme}:// URLs cannot be loaded ({e}); {hint}") from e
+
+
+def _entry_point(scheme: str, url: str) -> Callable[[], Storage] | None:
+    """The factory that an installed distribution declares for ``scheme`` (None if none does)."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=ENTRY_POINTS) if ep.name.lower() == scheme]
+    if not found:
+        return None
+    if len({ep.value for ep in found}) > 1:  # two distributions claim it: refuse to guess
+        raise UnsupportedStorageError(f"{url}: several installed distributions declare a storage for {scheme}:// "
+                                      f"URLs ({', '.join(sorted(ep.value for ep in found))}); uninstall all but one")
+    try:
+        factory = found[0].load()
+    except Exception as e:  # any error of a third party's import: say whose it is
+        raise UnsupportedStorageError(f"{url}: the storage of {scheme}:// URLs ({found[0].value}, entry point "
+                                      f"of {ENTRY_POINTS}) cannot be loaded: {e}") from e
+    log.debug("%s:// URLs served by %s (entry point)", scheme, found[0].value)
+    return factory  # type: ignore[no-any-return]
 
 
 def register(scheme: str, factory: Callable[[], Storage] | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -19,6 +20,8 @@ from .._settings import ALIGN, DirectIO
 from . import fileio, publish
 from .base import Sink, Source, round_down, round_up
 from .mapping import Mapping
+
+log = logging.getLogger(__name__)
 
 
 class _Descriptor:
@@ -65,6 +68,9 @@ class FileSink(_Descriptor, Sink):
         and the file system takes it: chunks then lie on its 4096-byte grid."""
         use = direct_io is DirectIO.ON or (direct_io is DirectIO.AUTO and buffer_size % ALIGN == 0)
         self._in_use = self.direct_fd(force=direct_io is DirectIO.ON) if use else None
+        log.debug("%s: %s writes (direct_io=%s, buffer_size %d%s)", self.path,
+                  "O_DIRECT" if self._in_use is not None else "buffered", direct_io.value, buffer_size,
+                  ", refused by the file system" if use and self._in_use is None else "")
         return ALIGN if self._in_use is not None else 1
 
     def write_at(self, view: memoryview, offset: int) -> None:
@@ -93,6 +99,7 @@ class FileSink(_Descriptor, Sink):
                     raise OSError(errno.EINVAL, f"the file system refuses O_DIRECT writes ({e.strerror}; "
                                   "direct_io='on'; use 'auto' to fall back to buffered writes)", self.path) from e
                 self._direct_writes_refused = True
+                log.debug("%s: O_DIRECT writes refused (%s); the rest buffered", self.path, e.strerror)
         fileio.pwrite_all(self.fd, view, offset, self.path)
 
     def publish(self) -> None:

@@ -21,9 +21,6 @@ Importing it imports ``torch.distributed.checkpoint``; ``import ckptstream`` alo
 See docs/dcp.md.
 """
 
-import warnings
-from typing import Any
-
 from ._metadata import METADATA_NAME, StoredChunk
 from ._rankfile import rank_file_name
 from ._reader import StreamReader
@@ -33,12 +30,3 @@ from ._writer import StreamWriter
 __all__ = ["METADATA_NAME", "StoredChunk", "StreamReader", "StreamWriter", "as_sharded", "checkpoint_files",
            "dcp_to_torch_save", "rank_file_name"]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Staging":  # the modes' old name here: one enum now, ckptstream.AsyncMode
-        from .._checkpoint.capture import AsyncMode
-
-        warnings.warn("ckptstream.dcp.Staging is deprecated: use ckptstream.AsyncMode", DeprecationWarning,
-                      stacklevel=2)
-        return AsyncMode
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

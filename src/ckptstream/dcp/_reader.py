@@ -18,7 +18,7 @@ import io
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -29,13 +29,10 @@ from torch.futures import Future
 from .._checkpoint.reader import CheckpointReader, TensorEntry
 from .._engine.tensor_bytes import host_bytes
 from .._errors import ChecksumsMissingError, CorruptCheckpointError
-from .._settings import LegacyKeywords, Settings, per_call
+from .._settings import Settings, per_call
 from .._storage import storage_for
 from . import _metadata, _pickles
 from ._metadata import StoredChunk
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 # DCP 2.9-2.11 catches the errors of read_metadata (it then tries the rank's own metadata) and
 # raises only AssertionError("metadata is None"); 2.12 puts their messages in it. There the
@@ -59,9 +56,7 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
             strings, bytes, containers of them, torch sizes and dtypes); anything else is refused
             with CorruptCheckpointError.
         settings: the ``Settings`` of this reader's transfers (a complete value); None: those
-            in force when the reader is made (see ``ckptstream.settings``). The per-call
-            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
-            deprecated in its favour.
+            in force when the reader is made (see ``ckptstream.settings``).
 
     Raises (from ``dcp.load``):
         CorruptCheckpointError: a rank file fails its checksums or is not the file the
@@ -80,12 +75,12 @@ class StreamReader(_metadata.CheckpointDirectory, StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checksum: bool = True, trust_metadata: bool = False,
-                 settings: Settings | None = None, **legacy: Unpack[LegacyKeywords]) -> None:
+                 settings: Settings | None = None) -> None:
         super().__init__()
         self.path = _metadata.checkpoint_folder(path)
         self.checksum = checksum
         self.trust_metadata = trust_metadata
-        self.cfg = per_call("StreamReader", settings, legacy)
+        self.cfg = per_call("StreamReader", settings, {})
         self.storage_data: dict[Any, StoredChunk] = {}
         self._metadata_error: Exception | None = None
 

@@ -20,9 +20,8 @@ import gc
 import os
 import threading
 import uuid
-import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -34,12 +33,9 @@ from torch.futures import Future
 from .._checkpoint.capture import AsyncMode, Captured
 from .._checkpoint.guard import HostCopies
 from .._engine import Mark, mark
-from .._settings import LegacyKeywords, Settings, per_call
+from .._settings import Settings, per_call
 from .._storage import storage_for
 from . import _metadata, _rankfile, _staging
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
@@ -55,12 +51,9 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
             modes of ``save_async``): "device" (default: a snapshot on the tensors' own
             devices), "lazy" (no copy; call ``wait_staged()`` before changing the state) or
             "host" (a full host copy, as DCP's own stager). Unused by ``dcp.save``.
-            (``staging=`` is its deprecated name.)
         checksum: store a CRC-32C of every chunk (``StreamReader`` verifies chunks read whole).
         settings: the ``Settings`` of this writer's transfers (a complete value); None: those
-            in force when the writer is made (see ``ckptstream.settings``). The per-call
-            ``buffer_size``, ``num_buffers``, ``io_threads`` and ``direct_io`` keywords are
-            deprecated in its favour.
+            in force when the writer is made (see ``ckptstream.settings``).
 
     Example:
         >>> dcp.save(state_dict, storage_writer=ckptstream.dcp.StreamWriter("ckpt/step-100"))
@@ -69,17 +62,12 @@ class StreamWriter(_metadata.CheckpointDirectory, StorageWriter, AsyncStager):
     _synchronize_after_execute = False  # DCP need not wait: see wait_staged()
 
     def __init__(self, path: str | os.PathLike[str], *, mode: AsyncMode | str = "device", checksum: bool = True,
-                 settings: Settings | None = None, staging: AsyncMode | str | None = None,
-                 **legacy: Unpack[LegacyKeywords]) -> None:
+                 settings: Settings | None = None) -> None:
         super().__init__()
         self.path = _metadata.checkpoint_folder(path)
-        if staging is not None:
-            warnings.warn("StreamWriter(staging=...) is deprecated: use mode=... (the same values, the modes of "
-                          "save_async)", DeprecationWarning, stacklevel=2)
-            mode = staging
         self.mode = AsyncMode.parse(mode)
         self.checksum = checksum
-        self.cfg = per_call("StreamWriter", settings, legacy)
+        self.cfg = per_call("StreamWriter", settings, {})
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True
