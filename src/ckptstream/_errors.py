@@ -181,3 +181,12 @@ class UnsupportedPathError(CkptStreamError, ValueError):
 
 class BenchError(CkptStreamError, RuntimeError):
     """The benchmark cannot run as asked (disk space, memory, devices); the message says why."""
+
+
+class AccelerateFolderError(NotACheckpointError):
+    """A folder written by Accelerate's own saver (``files`` names what is there), given to a
+    ``StreamState``'s ``load_state``."""
+
+    def __init__(self, message: str, path: str, files: list[str]) -> None:
+        super().__init__(message, path, "accelerate")
+        self.files = files

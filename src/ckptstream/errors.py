@@ -17,6 +17,7 @@ Lightning's and the benchmark's included.
 
 from ._engine.control import TransferCancelled
 from ._errors import (
+    AccelerateFolderError,
     AccessDeniedError,
     BenchError,
     BucketNotFoundError,
@@ -49,6 +50,7 @@ from ._errors import (
 from ._storage.base import LockHeldError
 
 __all__ = [
+    "AccelerateFolderError",
     "AccessDeniedError",
     "BenchError",
     "BucketNotFoundError",

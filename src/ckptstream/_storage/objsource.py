@@ -9,6 +9,7 @@ meanwhile fails the read instead of mixing two versions, also where the store ig
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from .._errors import (
@@ -22,6 +23,8 @@ from .._settings import DirectIO
 from . import s3deadline
 from .base import Source
 from .objclient import EMPTY_RANGE, REPLACED, Answer, Head, ObjectClient, ObjectUrl, call
+
+log = logging.getLogger(__name__)
 
 # bytes of an object fetched when it is opened, with its size and ETag: as many as a reader's
 # first read (the header of most checkpoints), so that it needs no request of its own
@@ -142,6 +145,8 @@ class ObjectSource(Source):
                     raise typed from e
                 cause = e
             failures += 1
+            log.debug("%s: %s broke (%s); asking again for the rest (%d of %d)", self.name, what, cause, failures,
+                      self._client.attempts)
             if failures >= self._client.attempts:
                 raise ConnectionLostError(self.name, f"{what}: the connection broke {failures} times while "
                                                    f"the body streamed ({cause})") from cause

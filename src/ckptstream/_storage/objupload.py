@@ -14,6 +14,7 @@ object whole; aborting it leaves the old object (if any) as it was.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from .. import _checksum
@@ -22,6 +23,8 @@ from .._settings import DirectIO
 from . import s3deadline, s3journal
 from .base import Sink, round_up
 from .objclient import ObjectClient, ObjectUrl, call
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_PART = 16 * MiB  # until the engine's grid sets it (a small object written without one)
@@ -75,6 +78,7 @@ class MultipartSink(Sink):
         with self._lock:
             if self._upload_id is None:
                 self._part, self._first = buffer_size, self._first_part(buffer_size)
+                log.debug("%s: parts of %d bytes, the held-back head of %d", self.url, self._part, self._first)
                 self._place_head()
         return self._part
 

@@ -24,7 +24,7 @@ from .._checkpoint.guard import Guard, StorageKey, storage_keys
 from .._checkpoint.load import load
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
-from .._errors import IncompleteCheckpointError, NotACheckpointError, UnsupportedTypeError
+from .._errors import AccelerateFolderError, IncompleteCheckpointError, UnsupportedTypeError
 from . import _state
 
 __all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_file"]
@@ -43,15 +43,6 @@ _UNSUPPORTED = {"FSDP": "FSDP2 state is sharded: save it with torch.distributed.
 def state_file(folder: str | os.PathLike[str], rank: int) -> Path:
     """The file process ``rank`` writes into a checkpoint folder."""
     return Path(folder) / f"ckptstream_state_{rank}.safetensors"
-
-
-class AccelerateFolderError(NotACheckpointError):
-    """A folder written by Accelerate's own saver (``files`` names what is there), given to a
-    ``StreamState``'s ``load_state``."""
-
-    def __init__(self, message: str, path: str, files: list[str]) -> None:
-        super().__init__(message, path, "accelerate")
-        self.files = files
 
 
 class _LiveRead:
