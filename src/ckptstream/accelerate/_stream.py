@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from .._checkpoint.load import load
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
 from .._errors import AccelerateFolderError, IncompleteCheckpointError, UnsupportedTypeError
+from .._storage import Storage, storage_for
 from . import _state
 
 __all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_file"]
@@ -170,24 +170,25 @@ class StreamState:
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
                 raise ValueError("StreamState.save_state: output_dir is None and automatic checkpoint naming is off")
-            os.makedirs(output_dir, exist_ok=True)
+            _store(output_dir).make_folders(os.fspath(output_dir))
             return Path(output_dir)
         parent = os.path.join(acc.project_dir, "checkpoints")
-        os.makedirs(parent, exist_ok=True)
+        store = _store(parent)
+        store.make_folders(parent)
         folder = os.path.join(parent, f"checkpoint_{acc.save_iteration}")
         # before any removal (a refused save removes nothing); a killed save's empty folder is reused
-        if os.path.exists(folder) and _holds_checkpoint_files(folder):
+        if store.exists(folder) and _holds_checkpoint_files(folder):
             raise ValueError(f"Checkpoint directory {folder} ({acc.save_iteration}) already exists: set "
                              "accelerator.project_configuration.iteration to the iteration to go on from")
-        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent) if os.path.join(parent, f) != folder),
+        folders = sorted((os.path.join(parent, f) for f in _names(parent) if os.path.join(parent, f) != folder),
                          key=_number)
         if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
             # the newer folders durable first: a kill after the removal still finds a checkpoint to resume
             self.wait()
             for old in folders[: len(folders) + 1 - config.total_limit]:
-                shutil.rmtree(old)
+                store.remove_tree(old)
         acc.wait_for_everyone()
-        os.makedirs(folder, exist_ok=True)
+        store.make_folders(folder)
         return Path(folder)
 
     # --- load ---------------------------------------------------------------------------------------
@@ -237,16 +238,16 @@ class StreamState:
         acc = self.accelerator
         if input_dir is not None:
             folder = Path(os.path.expanduser(os.fspath(input_dir)))
-            if not folder.is_dir():
+            if _store(folder).kind(str(folder)) != "folder":
                 raise FileNotFoundError(f"Tried to find {folder} but folder does not exist")
             return folder
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         parent = os.path.join(acc.project_dir, "checkpoints")
-        folders = sorted((os.path.join(parent, f) for f in os.listdir(parent)), key=_number) if os.path.isdir(
-            parent) else []
+        folders = sorted((os.path.join(parent, f) for f in _names(parent)), key=_number) if _store(parent).kind(
+            parent) == "folder" else []
         for candidate in reversed(folders):
-            if all(state_file(candidate, r).is_file() for r in range(acc.num_processes)):
+            if all(_store(candidate).kind(str(state_file(candidate, r))) == "file" for r in range(acc.num_processes)):
                 return Path(candidate)
         if folders:
             _refuse_folder(Path(folders[-1]), state_file(folders[-1], acc.process_index))
@@ -289,12 +290,22 @@ def _number(folder: str) -> int:
     return int(found[0]) if found else -1
 
 
+def _store(path: str | os.PathLike[str]) -> Storage:
+    return storage_for(os.fspath(path))
+
+
+def _names(folder: str) -> list[str]:
+    """The names in ``folder``, through its storage."""
+    return [e.name for e in _store(folder).list_folder(folder)]
+
+
 def _holds_checkpoint_files(folder: str) -> bool:
-    return any(f.startswith("ckptstream_state_") or ACCELERATE_FILES.match(f) for f in os.listdir(folder))
+    return any(f.startswith("ckptstream_state_") or ACCELERATE_FILES.match(f) for f in _names(folder))
 
 
 def _refuse_folder(folder: Path, missing: Path) -> None:
-    theirs = sorted(f for f in os.listdir(folder) if ACCELERATE_FILES.match(f)) if folder.is_dir() else []
+    theirs = sorted(f for f in _names(str(folder)) if ACCELERATE_FILES.match(f)) if _store(folder).kind(
+        str(folder)) == "folder" else []
     if theirs:
         raise AccelerateFolderError(
             f"{folder} was written by Accelerate's own save_state ({', '.join(theirs)}), not through ckptstream (no "
