@@ -2,13 +2,15 @@
 change their state and load it back; tests/test_accelerate_ranks.py reads what each prints.
 
     child_accelerate_ranks.py DIR
-    Prints "rank R ok" where the rank's generators and the model, optimizer and step came back
-    exactly, "rank R differs" where not.
+    Writes "ok" to DIR.rankR where the rank's generators and the model, optimizer and step came
+    back exactly, "differs" where not (a file per rank: the ranks share one stdout, and their
+    lines can interleave there).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -38,7 +40,7 @@ def main(folder: str) -> None:
     ok = (torch.equal(torch.get_rng_state(), want[0])
           and all(torch.equal(v, model.state_dict()[k]) for k, v in want[1].items())
           and torch.equal(opt.state_dict()["state"][0]["exp_avg"], want[2]))
-    print(f"rank {acc.process_index} {'ok' if ok else 'differs'}", flush=True)
+    Path(f"{folder}.rank{acc.process_index}").write_text("ok" if ok else "differs")
     acc.end_training()
 
 
