@@ -27,11 +27,17 @@ def _s3() -> Storage:
     return S3Storage()
 
 
+def _gcs() -> Storage:
+    from .gcs import GCSStorage
+
+    return GCSStorage()
+
+
 # scheme -> the function that makes its storage, importing its module (and client library) only
 # when called
-BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3}
+BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3, "gs": _gcs}
 # what to install for a built-in scheme whose module needs an optional extra (pip install ckptstream[...])
-EXTRAS: dict[str, str] = {"s3": "s3"}
+EXTRAS: dict[str, str] = {"s3": "s3", "gs": "gcs"}
 
 ENTRY_POINTS = "ckptstream.storages"  # the group of third parties' storages, one entry point per scheme
 log = logging.getLogger(__name__)

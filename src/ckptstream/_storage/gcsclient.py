@@ -1,0 +1,150 @@
+"""The google-cloud-storage client under ``gs://`` URLs: made by each storage the way Google's
+client is configured (Application Default Credentials, ``GOOGLE_CLOUD_PROJECT``,
+``STORAGE_EMULATOR_HOST``, where the client itself takes anonymous credentials), the requests
+the library has no call for (a part sent from memory, a ranged GET read in place), and its
+failures turned into typed errors that name the URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+from .._errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConnectionLostError,
+    NoCredentialsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ThrottledError,
+)
+from . import s3deadline
+from .objclient import ObjectUrl
+
+
+def b64(crc: int) -> str:
+    """A CRC-32C as GCS's ``crc32c`` field spells it."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def make_client(options: dict[str, Any]) -> Any:
+    """A ``google.cloud.storage.Client`` of the standard configuration (or ``options``, its
+    keyword arguments), its connections watched by the deadlines of s3deadline."""
+    from google.cloud import storage
+
+    client = storage.Client(**options)
+    # the connection classes go where urllib3 keeps them (requests has no public way)
+    for adapter in client._http.adapters.values():
+        manager = getattr(adapter, "poolmanager", None)
+        if manager is not None:
+            manager.pool_classes_by_scheme = _pool_classes()
+    return client
+
+
+def _pool_classes() -> dict[str, Any]:
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    def watched(base: Any) -> Any:
+        class Watched(base):  # type: ignore[misc]
+            def connect(self) -> None:
+                s3deadline.watch(self)
+                super().connect()
+
+            def request(self, *args: Any, **kwargs: Any) -> Any:
+                s3deadline.watch(self)
+                return super().request(*args, **kwargs)
+
+        return Watched
+
+    class Pool(HTTPConnectionPool):
+        ConnectionCls = watched(HTTPConnectionPool.ConnectionCls)
+
+    class PoolTLS(HTTPSConnectionPool):
+        ConnectionCls = watched(HTTPSConnectionPool.ConnectionCls)
+
+    return {"http": Pool, "https": PoolTLS}
+
+
+class MultipartBody:
+    """A JSON-API multipart upload's body (the object's metadata, then its bytes) read from
+    ``data`` in place: requests sends it in blocks without a copy of the part."""
+
+    def __init__(self, metadata: dict[str, Any], data: memoryview) -> None:
+        self.boundary = "ckptstream-" + secrets.token_hex(16)
+        head = (f"--{self.boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps(metadata)}"
+                f"\r\n--{self.boundary}\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+        tail = f"\r\n--{self.boundary}--\r\n".encode()
+        self._pieces = [memoryview(head), data.cast("B"), memoryview(tail)]
+        self._length = sum(len(p) for p in self._pieces)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[memoryview]:  # what marks it a stream to requests
+        return iter(self._pieces)
+
+    def read(self, n: int = -1) -> memoryview | bytes:
+        while self._pieces and not len(self._pieces[0]):
+            self._pieces.pop(0)
+        if not self._pieces:
+            return b""
+        piece = self._pieces[0]
+        n = len(piece) if n is None or n < 0 else n
+        self._pieces[0] = piece[n:]
+        return piece[:n]
+
+
+class NoBucket(Exception):
+    """A 404 that can only mean the bucket is missing (a listing, an upload)."""
+
+
+_DENIED = {401, 403}
+_THROTTLED = {429, 503}
+
+
+def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
+    """The typed error for a failed request (``what``: the operation, for the message); other
+    exceptions are returned as they are."""
+    import requests
+    from google.api_core import exceptions as gx
+    from google.auth import exceptions as ax
+
+    name = str(url)
+    bucket = url.bucket if isinstance(url, ObjectUrl) else name
+    if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
+        return NoCredentialsError(name, f"no credentials for {what} ({e}); run gcloud auth application-default "
+                                  "login, or set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file")
+    if isinstance(e, NoBucket) or (isinstance(e, gx.NotFound) and "bucket" in str(e.message).lower()):
+        return BucketNotFoundError(name, f"the bucket {bucket!r} does not exist ({what}); create it first, or "
+                                   "check the URL and STORAGE_EMULATOR_HOST", "NoSuchBucket")
+    if isinstance(e, gx.GoogleAPICallError):
+        code, text = int(e.code or 0), e.message
+        if code == 404:
+            return ObjectNotFoundError(name, f"no such object ({what})", "404")
+        if code in _DENIED:
+            return AccessDeniedError(name, f"access denied ({what}: {code}: {text}); check the credentials and "
+                                     f"their permissions on the bucket {bucket!r}", str(code))
+        if code in _THROTTLED:
+            return ThrottledError(name, f"the store throttled {what} ({code}: {text}) through its retries; "
+                                  "retry later", str(code))
+        return ObjectStoreError(name, f"{what} failed ({code}: {text})", str(code))
+    if isinstance(e, requests.RequestException | http.client.HTTPException | ConnectionError | TimeoutError):
+        return ConnectionLostError(name, f"the connection to the store failed during {what} after every retry "
+                                   f"({e}); check STORAGE_EMULATOR_HOST (if set) and the network")
+    return e
+
+
+def check(response: Any) -> Any:
+    """The response, once it is no failure (else the library's typed exception of it)."""
+    if response.status_code >= 400:
+        from google.api_core import exceptions as gx
+
+        failure = gx.from_http_response(response)  # (reads the small body of the answer)
+        response.close()
+        raise failure
+    return response
