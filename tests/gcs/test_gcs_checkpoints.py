@@ -26,8 +26,8 @@ HERE = Path(__file__).parent
 
 def test_save_load_round_trip(gcs: Bucket) -> None:
     w = random_tensor((512, 1024))
-    state = {"model": {"w": w, "tied": w, "b": random_tensor(33, torch.bfloat16)},
-             "optim": {"exp_avg": random_tensor((3 * MiB,))}, "step": 7, "note": None}
+    state: dict[str, Any] = {"model": {"w": w, "tied": w, "b": random_tensor(33, torch.bfloat16)},
+                             "optim": {"exp_avg": random_tensor((3 * MiB,))}, "step": 7, "note": None}
     url = gcs.url("run/step-1.safetensors")
     with ckptstream.settings(buffer_size=5 * MiB):  # several parts and a short last one
         ckptstream.save(state, url)
