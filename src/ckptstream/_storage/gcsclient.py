@@ -1,17 +1,14 @@
 """The google-cloud-storage client under ``gs://`` URLs: made by each storage the way Google's
 client is configured (Application Default Credentials, ``GOOGLE_CLOUD_PROJECT``,
 ``STORAGE_EMULATOR_HOST``, where the client itself takes anonymous credentials), the requests
-the library has no call for (a part sent from memory, a ranged GET read in place), and its
-failures turned into typed errors that name the URL.
+the library has no call for go through its session too (gcs.py: a part sent from memory, a
+ranged GET read in place); its failures turned into typed errors that name the URL.
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
-import json
-import secrets
-from collections.abc import Iterator
 from typing import Any
 
 from .._errors import (
@@ -68,35 +65,6 @@ def _pool_classes() -> dict[str, Any]:
         ConnectionCls = watched(HTTPSConnectionPool.ConnectionCls)
 
     return {"http": Pool, "https": PoolTLS}
-
-
-class MultipartBody:
-    """A JSON-API multipart upload's body (the object's metadata, then its bytes) read from
-    ``data`` in place: requests sends it in blocks without a copy of the part."""
-
-    def __init__(self, metadata: dict[str, Any], data: memoryview) -> None:
-        self.boundary = "ckptstream-" + secrets.token_hex(16)
-        head = (f"--{self.boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps(metadata)}"
-                f"\r\n--{self.boundary}\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
-        tail = f"\r\n--{self.boundary}--\r\n".encode()
-        self._pieces = [memoryview(head), data.cast("B"), memoryview(tail)]
-        self._length = sum(len(p) for p in self._pieces)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[memoryview]:  # what marks it a stream to requests
-        return iter(self._pieces)
-
-    def read(self, n: int = -1) -> memoryview | bytes:
-        while self._pieces and not len(self._pieces[0]):
-            self._pieces.pop(0)
-        if not self._pieces:
-            return b""
-        piece = self._pieces[0]
-        n = len(piece) if n is None or n < 0 else n
-        self._pieces[0] = piece[n:]
-        return piece[:n]
 
 
 class NoBucket(Exception):
