@@ -1,7 +1,9 @@
 """Child of the gs:// tests. ``loop URL``: saves state 0, 1, 2, ... (each of ``state(i)``, 24 MiB
 in parts of 5 MiB) to URL over and over, saying "ready" once the client is made, until it is
 killed. ``memory URL MIB``: saves a state of MIB MiB of 16 MiB tensors to URL and prints one JSON
-line: the peak RSS growth over the RSS before the save, and the staging the save held."""
+line: the peak RSS growth over the RSS before the save, and the staging the save held.
+``memory-load URL MIB``: the same state saved, then loaded into tensors that exist (load_into),
+the growth measured over that load."""
 
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ if __name__ == "__main__":
                 i += 1
     else:
         s = {f"t{i}": torch.randn(16 * MiB // 4) for i in range(int(sys.argv[3]) // 16)}
-        with ckptstream.settings(buffer_size=16 * MiB, num_buffers=8, io_threads=8), PeakRss() as peak:
-            ckptstream.save(s, url)
+        with ckptstream.settings(buffer_size=16 * MiB, num_buffers=8, io_threads=8):
+            if op == "memory-load":
+                ckptstream.save(s, url)
+                s = {k: torch.empty_like(v) for k, v in s.items()}
+                with PeakRss() as peak:
+                    ckptstream.load_into(s, url)
+            else:
+                with PeakRss() as peak:
+                    ckptstream.save(s, url)
         print(json.dumps({"growth": peak.growth, "staging": ckptstream.staging_bytes()}))

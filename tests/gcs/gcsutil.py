@@ -72,10 +72,14 @@ def use_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, s
 
 
 def new_bucket(server: GCSServer) -> Bucket:
+    """A new bucket, without soft delete (GCS's default keeps deleted objects 7 days, and the
+    emulator keeps them in its memory: every part a test removes would stay there)."""
     raw = raw_client(server.env)
-    name = f"ckpt-{uuid.uuid4().hex[:16]}"
-    raw.create_bucket(name)
-    return Bucket(server, name, raw)
+    bucket = raw.bucket(f"ckpt-{uuid.uuid4().hex[:16]}")
+    raw.create_bucket(bucket)
+    bucket.soft_delete_policy.retention_duration_seconds = 0  # (the emulator takes it in a patch, not at creation)
+    bucket.patch()
+    return Bucket(server, bucket.name, raw)
 
 
 def fresh_bucket_url(server: GCSServer, key: str = "") -> str:
