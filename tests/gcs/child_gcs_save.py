@@ -42,7 +42,7 @@ if __name__ == "__main__":
         with ckptstream.settings(buffer_size=16 * MiB, num_buffers=8, io_threads=8):
             if op == "memory-load":
                 ckptstream.save(s, url)
-                s = {k: torch.empty_like(v) for k, v in s.items()}
+                s = {k: torch.full_like(v, float("nan")) for k, v in s.items()}  # resident before the measure
                 with PeakRss() as peak:
                     ckptstream.load_into(s, url)
             else:
