@@ -60,6 +60,7 @@ def test_saves_killed_at_random_moments(gcs: Bucket) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # some 4 s a kill, more on a loaded machine
 def test_thirty_saves_killed_at_random_moments(gcs: Bucket, capsys: pytest.CaptureFixture[str]) -> None:
     tally = kill_saves(gcs, 30, seed=30)
     with capsys.disabled():

@@ -99,8 +99,8 @@ class GCSClient:
             try:
                 page = next(blobs.pages)
                 keys += [b.name for b in page if not b.name.startswith(HIDDEN)]
-            except NotFound as e:
-                raise gcsclient.NoBucket(str(e)) from e
+            except NotFound as e:  # a listing's 404: the bucket is missing
+                raise gcsclient.no_bucket(url, "listing") from e
             prefixes += [p for p in page.prefixes if not p.startswith(HIDDEN)]
             token = blobs.next_page_token
             if keys or prefixes or not token or not HIDDEN.startswith(prefix):
@@ -209,8 +209,8 @@ class GCSClient:
 
         try:
             answer = self.retry(attempt)().json()  # an object is written whole, again if need be
-        except NotFound as e:
-            raise gcsclient.NoBucket(str(e)) from e
+        except NotFound as e:  # an upload's 404: the bucket is missing
+            raise gcsclient.no_bucket(url, "uploading") from e
         if answer.get("crc32c") != expected:  # (a part's object is hidden: the upload's abort removes it)
             raise ObjectStoreError(f"gs://{url.bucket}/{key}", f"the store holds CRC-32C {answer.get('crc32c')} "
                                    f"for bytes sent with {expected}: they changed on the way")

@@ -67,8 +67,10 @@ def _pool_classes() -> dict[str, Any]:
     return {"http": Pool, "https": PoolTLS}
 
 
-class NoBucket(Exception):
-    """A 404 that can only mean the bucket is missing (a listing, an upload)."""
+def no_bucket(url: ObjectUrl | str, what: str) -> BucketNotFoundError:
+    bucket = url.bucket if isinstance(url, ObjectUrl) else str(url)
+    return BucketNotFoundError(str(url), f"the bucket {bucket!r} does not exist ({what}); create it first, or check "
+                               "the URL and STORAGE_EMULATOR_HOST", "NoSuchBucket")
 
 
 _DENIED = {401, 403}
@@ -87,9 +89,8 @@ def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
     if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
         return NoCredentialsError(name, f"no credentials for {what} ({e}); run gcloud auth application-default "
                                   "login, or set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file")
-    if isinstance(e, NoBucket) or (isinstance(e, gx.NotFound) and "bucket" in str(e.message).lower()):
-        return BucketNotFoundError(name, f"the bucket {bucket!r} does not exist ({what}); create it first, or "
-                                   "check the URL and STORAGE_EMULATOR_HOST", "NoSuchBucket")
+    if isinstance(e, gx.NotFound) and "bucket does not exist" in str(e.message).lower():  # GCS's words
+        return no_bucket(url, what)
     if isinstance(e, gx.GoogleAPICallError):
         code, text = int(e.code or 0), e.message
         if code == 404:
