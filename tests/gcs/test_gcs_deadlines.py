@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import ckptstream
+from ckptstream._storage.gcs import reset_clients
 from ckptstream._storage.objsource import FIRST
 from tests.gcs.gcsserver import GCSServer, require_emulator
-from tests.gcs.gcsutil import Bucket, MiB, new_bucket, reset_clients, use_server
+from tests.gcs.gcsutil import Bucket, MiB, new_bucket, use_server
 from tests.s3.faultproxy import FaultProxy
 from tests.s3.test_s3_deadlines import FAST, RATE, STALLS, TIMEOUT, fails_in_time, state
 
