@@ -3,8 +3,9 @@
 - ``device``: every test taking it runs on ``cpu`` and, marked ``gpu``, on ``cuda``;
 - one collection hook skips ``gpu``-marked tests where torch sees no CUDA device;
 - ``direct_io``: a test runs under each O_DIRECT mode; ``jitter``: I/O threads finish out of order;
-- ``mem``: an in-memory storage served for ``mem://`` URLs; ``place``: a test runs on the local
-  file system and on that storage;
+- ``mem``: an in-memory storage served for ``mem://`` URLs; ``place``: a test runs on every
+  storage of ``tests/storages.py`` (the local file system, that storage, S3 through the real
+  ``rclone serve s3`` of tests/s3, one server for the session);
 - every test draws its random data from a seed of its own.
 """
 
@@ -24,12 +25,16 @@ import ckptstream
 from ckptstream import DirectIO
 from ckptstream._storage import fileio, register
 from tests.helpers import CUDA, READ_CALLS, direct_io_supported
-from tests.memstore import MemStorage, Place
+from tests.memstore import MemStorage
+from tests.s3.s3util import s3_server  # noqa: F401  (a fixture: the S3 target of ``place``)
+from tests.storages import Place, Target, mark_differences, params
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests marked ``gpu`` (the ``cuda`` half of the ``device`` fixture included) where
-    torch sees no CUDA device."""
+    torch sees no CUDA device; mark what a storage is known not to keep (``Target.differs``)."""
+    for item in items:
+        mark_differences(item)
     if CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -69,11 +74,11 @@ def mem() -> Iterator[MemStorage]:
         register("mem", None)
 
 
-@pytest.fixture(params=["local", "mem"])
+@pytest.fixture(params=params())
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
-    """Where the test's checkpoints live: ``tmp_path``, or an in-memory storage (``mem://``)."""
-    store = request.getfixturevalue("mem") if request.param == "mem" else None
-    return Place(request.param, tmp_path, store)
+    """Where the test's files live: a fresh, empty folder of each storage of ``TARGETS``."""
+    target: Target = request.param
+    return target.make(request, tmp_path)
 
 
 @pytest.fixture

@@ -18,13 +18,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import json
-import os
-import struct
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from ckptstream._settings import DirectIO
 from ckptstream._storage import Entry, Kind, Lock, LockHeldError, Sink, Source, Storage
@@ -299,46 +295,3 @@ class MemSource(Source):
     def close(self) -> None:
         self.closed += 1
 
-
-class Place:
-    """Where a test's checkpoints live: ``tmp_path`` on the local file system, or a fresh
-    ``MemStorage`` registered for ``mem://``; the same test runs on each."""
-
-    def __init__(self, kind: str, root: Path, store: MemStorage | None) -> None:
-        self.kind, self.root, self.store = kind, root, store
-
-    def path(self, name: str) -> str:
-        return str(self.root / name) if self.store is None else f"mem://test/{name}"
-
-    def read_bytes(self, path: str) -> bytes:
-        return Path(path).read_bytes() if self.store is None else self.store.objects[path]
-
-    def header(self, path: str) -> dict[str, Any]:
-        """The parsed JSON header of the stored safetensors file."""
-        raw = self.read_bytes(path)
-        (n,) = struct.unpack("<Q", raw[:8])
-        header: dict[str, Any] = json.loads(raw[8 : 8 + n])
-        return header
-
-    def flip(self, path: str, offset: int) -> None:
-        """Corrupt one bit of the byte at ``offset`` of the stored object."""
-        if self.store is not None:
-            self.store.flip(path, offset)
-            return
-        raw = bytearray(Path(path).read_bytes())
-        raw[offset] ^= 0x01
-        Path(path).write_bytes(bytes(raw))
-
-    def truncate(self, path: str, length: int) -> None:
-        """Cut the stored object short."""
-        if self.store is None:
-            os.truncate(path, length)
-        else:
-            self.store.objects[path] = self.store.objects[path][:length]
-
-    def names(self) -> list[str]:
-        """Every name stored, and every unfinished write's (a local temp, a pending upload)."""
-        if self.store is None:
-            return sorted(os.listdir(self.root))
-        return sorted([n.removeprefix("mem://test/") for n in self.store.objects]
-                      + [f"pending:{s.name.removeprefix('mem://test/')}" for s in self.store.pending.values()])

@@ -38,7 +38,7 @@ from tests.helpers import (
     random_bytes,
     random_tensor,
 )
-from tests.memstore import Place
+from tests.storages import Place
 
 KiB = 1 << 10
 STORABLE_EDGE_CASES = [c for c in EDGE_CASES if c.dtype in DTYPE_NAMES]

@@ -26,7 +26,7 @@ from tests.helpers import (
     poisoned_like,
     random_tensor,
 )
-from tests.memstore import Place
+from tests.storages import Place
 
 STORABLE_WRITABLE_CASES = [c for c in WRITABLE_EDGE_CASES if c.dtype in DTYPE_NAMES]
 

@@ -21,8 +21,9 @@ from ckptstream._checkpoint import save, save_async
 from ckptstream._engine.write import WriteEngine
 from ckptstream._storage import storage_for
 from tests.helpers import random_tensor
-from tests.memstore import Crash, MemStorage, Place, Step
+from tests.memstore import Crash, MemStorage, Step
 from tests.resume.trainutil import differences, free_port, start_child
+from tests.storages import Place
 
 pytestmark = pytest.mark.usefixtures("no_save_left_behind")
 

@@ -29,7 +29,8 @@ from tests.helpers import (
     poisoned_like,
     random_tensor,
 )
-from tests.memstore import MemStorage, Place
+from tests.memstore import MemStorage
+from tests.storages import Place
 
 METADATA = {"run": "reader", "note": "ünïcode"}
 
