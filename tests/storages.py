@@ -241,10 +241,7 @@ class Target:
 TARGETS = [
     Target("local", local_place),
     Target("mem", mem_place),
-    Target("s3", s3_place, differs={
-        "test_a_live_writers_leftovers_go_when_asked_for_all":
-            "ObjectStorage.remove_temps never aborts an upload this process has in flight, even with "
-            "stale_only=False (objstore.py); local temps and the memory storage's go"},
+    Target("s3", s3_place,
         cannot={r"test_edge_case_tensors_round_trip\[.*-(513|4096)\]|test_a_failed_save_does_not_count\[s3\]":
                 "buffers below S3's least part (5 MiB) are refused, with a clear error (check_part_size)"}),
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,8 +204,10 @@ def test_killed_writer_leaves_nothing_and_the_next_save_aborts_its_upload(s3: Bu
 
 
 def test_which_leftover_uploads_are_aborted(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A writer's own upload in flight is never aborted; another's fresh one only without
-    ``stale_only``, or once untouched for STALE_AFTER; other keys' never."""
+    """With ``stale_only``, a writer's own upload in flight is never aborted, another's fresh one
+    only once untouched for STALE_AFTER; without, every upload of the key goes (the caller knows
+    no writer is left: the storage contract's "all"), and the writer learns so when it
+    publishes; other keys' never."""
     live = STORE.create(s3.url("k"))
     write_like_the_engine(live, os.urandom(12 * MiB), 4096, 5 * MiB)
     mine = s3.uploads("k")
@@ -215,10 +218,12 @@ def test_which_leftover_uploads_are_aborted(s3: Bucket, monkeypatch: pytest.Monk
         m.setattr(objstore, "STALE_AFTER", datetime.timedelta(0))
         assert STORE.remove_temps(s3.url("k")) == [other]
     other = s3.raw.create_multipart_upload(Bucket=s3.name, Key="k")["UploadId"]
-    assert STORE.remove_temps(s3.url("k"), stale_only=False) == [other]
-    assert sorted(s3.uploads()) == sorted([*mine, neighbour])
-    live.publish()
+    assert sorted(STORE.remove_temps(s3.url("k"), stale_only=False)) == sorted([*mine, other])
     assert s3.uploads() == [neighbour]
+    with pytest.raises(OSError, match=re.escape(s3.url("k"))):  # naming the object
+        live.publish()
+    assert s3.uploads() == [neighbour]
+    assert s3.keys("k") == []
 
 
 def test_a_journal_that_cannot_be_written_fails_no_save(s3: Bucket, monkeypatch: pytest.MonkeyPatch,

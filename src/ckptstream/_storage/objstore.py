@@ -133,8 +133,9 @@ class ObjectStorage(Storage):
 
     def remove_temps(self, path: str, *, stale_only: bool = True) -> list[str]:
         """Abort the incomplete uploads of the key: with ``stale_only``, those whose writers were on
-        this host and are gone (the journal), or untouched for STALE_AFTER; this process's
-        uploads in flight are never touched. The notes of gone writers whose uploads are no
+        this host and are gone (the journal), or untouched for STALE_AFTER, and never this
+        process's uploads in flight; without, every one (the caller knows no writer is left, as
+        the local storage's temps go). The notes of gone writers whose uploads are no
         longer listed go too. Returns the upload ids aborted; never raises."""
         try:
             url = self._object(path)
@@ -148,7 +149,7 @@ class ObjectStorage(Storage):
             removed = []
             for upload in uploads:
                 upload_id = upload.upload_id
-                if upload_id in live:
+                if stale_only and upload_id in live:
                     continue
                 if stale_only and upload_id not in dead and now - self._touched(client, url, upload) < STALE_AFTER:
                     continue
