@@ -3,13 +3,16 @@ case, chunk by chunk, and standard frames that decode back bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 
 import pytest
 import torch
 
-from ckptstream._compress import codecs, grouping
+from ckptstream import _checksum
+from ckptstream._compress import chunks, codecs, grouping
+from ckptstream.errors import CorruptCheckpointError
 from tests.helpers import DTYPES, EDGE_CASES, as_bytes, random_bytes, random_tensor
 
 CODECS = ("zstd-1", "zstd-3", "lz4")
@@ -101,3 +104,57 @@ def test_a_missing_package_names_the_extra(monkeypatch):
     for name in CODECS:
         with pytest.raises(ImportError, match=r"ckptstream\[compress\]"):
             codecs.codec(name)
+
+
+# --- chunks: a tensor as independent frames ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["zstd-1", "lz4"])
+@pytest.mark.parametrize("case", EDGE_CASES, ids=[c.name for c in EDGE_CASES])
+def test_every_edge_case_comes_back_from_its_chunks_bit_for_bit(case, name, device):
+    _needs(name)
+    t = case.source(device)
+    c, width = codecs.codec(name), grouping.value_width(t.dtype)
+    stored = chunks.encode(t, c, 64, width)  # small chunks: most tensors span several
+    assert sum(s.size for s in stored) == t.numel() * t.element_size()
+    assert chunks.crc_of_chunks(stored) == _checksum.crc_of(as_bytes(t))  # the uncompressed tensor's CRC
+    out = torch.empty(t.shape, dtype=t.dtype)
+    chunks.decode(stored, c, width, out)
+    assert out.reshape(-1).view(torch.uint8).numpy().tobytes() == as_bytes(t)
+
+
+def test_state_like_tensors_compress_and_random_bytes_are_kept_as_is():
+    _needs("zstd-1")
+    c = codecs.codec("zstd-1")
+    weights = torch.randn(100_000, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+    stored = chunks.encode(weights, c, 64 * 1024, 2)
+    assert all(not s.raw for s in stored)
+    assert sum(len(s.data) for s in stored) < 0.8 * weights.numel() * 2
+    noise = random_bytes(300_001)
+    stored = chunks.encode(noise, c, 64 * 1024, 1)
+    assert all(s.raw and len(s.data) == s.size for s in stored)
+    out = torch.empty_like(noise)
+    chunks.decode(stored, c, 1, out)
+    assert torch.equal(out, noise)
+
+
+@pytest.mark.parametrize("where", ["frame", "raw"])
+def test_a_corrupt_chunk_is_caught_and_named(where):
+    _needs("zstd-1")
+    c = codecs.codec("zstd-1")
+    t = torch.randn(40_000).mul_(0.02) if where == "frame" else random_bytes(160_000).view(torch.float32)
+    stored = chunks.encode(t, c, 32 * 1024, 4)
+    assert stored[1].raw == (where == "raw")
+    bad = bytearray(stored[1].data)
+    bad[len(bad) // 2] ^= 0x10
+    stored[1] = dataclasses.replace(stored[1], data=bytes(bad))
+    with pytest.raises(CorruptCheckpointError, match=r"master\.w: chunk 1 \(uncompressed bytes 32768\.\.65536\)"):
+        chunks.decode(stored, c, 4, torch.empty_like(t), name="master.w")
+
+
+def test_chunks_that_do_not_add_up_to_the_tensor_are_refused():
+    _needs("zstd-1")
+    c = codecs.codec("zstd-1")
+    stored = chunks.encode(torch.randn(1000), c, 1024, 4)
+    with pytest.raises(CorruptCheckpointError, match="hold 4000 bytes, its dtype and shape 4004"):
+        chunks.decode(stored, c, 4, torch.empty(1001))

@@ -121,7 +121,7 @@ class Trained:
 
 
 def train(size_bytes: int, steps: int, *, batch: int = 2, seq: int = 128, lr: float = 1e-3,
-          seed: int = 0, corpus_bytes: int = 4 * MiB) -> Trained:
+          seed: int = 0, corpus_bytes: int = 4 * MiB, progress: Callable[[str], None] | None = None) -> Trained:
     """The state after ``steps`` AdamW steps (warmup then cosine decay, weight decay 0.1 on the
     matrices, gradients clipped at 1), as a bf16 mixed-precision run would hold it.
 
@@ -157,6 +157,8 @@ def train(size_bytes: int, steps: int, *, batch: int = 2, seq: int = 128, lr: fl
         opt.zero_grad(set_to_none=True)
         sched.step()
         losses.append(loss.item())
+        if progress is not None and len(losses) % 50 == 0:
+            progress(f"step {len(losses)}/{steps}: loss {losses[-1]:.2f}, {_clock() - start:.0f} s")
     seconds = _clock() - start
     with torch.no_grad():
         master = {n: p.detach() for n, p in params.items()}
@@ -264,7 +266,7 @@ def measure(parts: list[torch.Tensor], method: Method) -> dict[str, Any]:
 def run(size_bytes: int = 24 * MiB, steps: int = 300, *, chunk_kib: int = 1024, seed: int = 0,
         sweep_kib: tuple[int, ...] = (64, 256, 4096), progress: Callable[[str], None] = print) -> dict[str, Any]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    trained = train(size_bytes, steps, seed=seed)
+    trained = train(size_bytes, steps, seed=seed, progress=progress)
     progress(f"trained {steps} steps in {trained.seconds:.0f} s: loss {trained.losses[0]:.2f} -> "
              f"{sum(trained.losses[-20:]) / len(trained.losses[-20:]):.2f} (mean of the last 20)")
     with_zipnn = zipnn_available()
