@@ -19,7 +19,7 @@ of ``--chunk-kib`` (as a save pipeline would compress them), and reported are
 
 Every chunk is decompressed and compared with the original bytes.
 
-    python -m ckptstream.bench.compression --json docs/results/compression-cpu.json
+    python -m ckptstream.bench.compression --size-mib 8 --steps 300 --json docs/results/compression-cpu-8mib.json
 """
 
 from __future__ import annotations
@@ -264,9 +264,11 @@ def measure(parts: list[torch.Tensor], method: Method) -> dict[str, Any]:
 
 
 def run(size_bytes: int = 24 * MiB, steps: int = 300, *, chunk_kib: int = 1024, seed: int = 0,
-        sweep_kib: tuple[int, ...] = (64, 256, 4096), progress: Callable[[str], None] = print) -> dict[str, Any]:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+        sweep_kib: tuple[int, ...] = (64, 256, 4096), progress: Callable[[str], None] = print,
+        save_state: str | None = None) -> dict[str, Any]:
     trained = train(size_bytes, steps, seed=seed, progress=progress)
+    if save_state:  # the trained state itself, to measure other codecs on later
+        torch.save(trained.state, save_state)
     progress(f"trained {steps} steps in {trained.seconds:.0f} s: loss {trained.losses[0]:.2f} -> "
              f"{sum(trained.losses[-20:]) / len(trained.losses[-20:]):.2f} (mean of the last 20)")
     with_zipnn = zipnn_available()
@@ -329,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-kib", type=int, default=1024, help="independent compression chunk, KiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--save-state", help="also torch.save the trained state here")
     args = ap.parse_args(argv)
     result = run(int(args.size_mib * MiB), args.steps, chunk_kib=args.chunk_kib, seed=args.seed,
-                 progress=lambda s: print(s, file=sys.stderr, flush=True))
+                 progress=lambda s: print(s, file=sys.stderr, flush=True), save_state=args.save_state)
     print(render(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
