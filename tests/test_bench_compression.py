@@ -44,3 +44,13 @@ def test_the_model_state_is_the_bf16_copy_of_the_master_weights():
         assert trained.state["model"][name].dtype == torch.bfloat16
         assert torch.equal(trained.state["model"][name], w.to(torch.bfloat16))
         assert trained.state["exp_avg_sq"][name].min() >= 0
+
+
+def test_the_entropy_bound_of_constant_and_random_planes():
+    const = [torch.full((4096,), 7, dtype=torch.uint8)]
+    assert compression.entropy_bound(const, 4) == 0
+    noise = [torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)]
+    assert 0.99 < compression.entropy_bound(noise, 2) <= 1.0
+    half = torch.zeros(1 << 16, dtype=torch.uint8)
+    half[1::2] = torch.randint(0, 256, (1 << 15,), dtype=torch.uint8)  # one plane zeros, one random
+    assert 0.49 < compression.entropy_bound([half], 2) <= 0.5

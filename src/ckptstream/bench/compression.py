@@ -17,6 +17,9 @@ of ``--chunk-kib`` (as a save pipeline would compress them), and reported are
     comp      compression throughput, uncompressed MB/s, one thread (byte-grouping included)
     decomp    decompression throughput, uncompressed MB/s, one thread (ungrouping included)
 
+and, per kind, the order-0 byte entropy of each chunk's byte planes: the bound of a Huffman or
+ANS coder of the planes.
+
 Every chunk is decompressed and compared with the original bytes.
 
     python -m ckptstream.bench.compression --size-mib 8 --steps 300 --json docs/results/compression-cpu-8mib.json
@@ -263,12 +266,24 @@ def measure(parts: list[torch.Tensor], method: Method) -> dict[str, Any]:
             "compress_MBps": raw / comp_s / 1e6, "decompress_MBps": raw / decomp_s / 1e6}
 
 
+def entropy_bound(parts: list[torch.Tensor], width: int) -> float:
+    """The stored bytes over the uncompressed of an ideal order-0 coder of each byte plane of each
+    chunk (the byte entropy of the plane): what Huffman or ANS on the planes approach, at best."""
+    bits = 0.0
+    for part in parts:
+        for plane in grouping.group(part, width).view(width, -1):
+            p = torch.bincount(plane, minlength=256).double() / plane.numel()
+            p = p[p > 0]
+            bits += float(-(p * p.log2()).sum()) * plane.numel()
+    return bits / 8 / sum(p.numel() for p in parts)
+
+
 def run(size_bytes: int = 24 * MiB, steps: int = 300, *, chunk_kib: int = 1024, seed: int = 0,
         sweep_kib: tuple[int, ...] = (64, 256, 4096), progress: Callable[[str], None] = print,
         save_state: str | None = None) -> dict[str, Any]:
     trained = train(size_bytes, steps, seed=seed, progress=progress)
     if save_state:  # the trained state itself, to measure other codecs on later
-        torch.save(trained.state, save_state)
+        torch.save(dataclasses.asdict(trained), save_state)
     progress(f"trained {steps} steps in {trained.seconds:.0f} s: loss {trained.losses[0]:.2f} -> "
              f"{sum(trained.losses[-20:]) / len(trained.losses[-20:]):.2f} (mean of the last 20)")
     with_zipnn = zipnn_available()
@@ -287,6 +302,7 @@ def run(size_bytes: int = 24 * MiB, steps: int = 300, *, chunk_kib: int = 1024, 
             sweep[str(kib)] = measure(chunks(tensors, kib * 1024), best)["ratio"]
         kinds[kind] = {"dtype": str(DTYPES[kind]).removeprefix("torch."), "tensors": len(tensors),
                        "bytes": sum(p.numel() for p in parts), "methods": rows,
+                       "entropy_bound_grouped": entropy_bound(parts, width),
                        "zstd-1+grouped_ratio_by_chunk_kib": sweep}
     d, layers, vocab = trained.dims
     return {"kind": "compression", "steps": steps, "size_bytes": size_bytes, "chunk_kib": chunk_kib, "seed": seed,
@@ -321,6 +337,7 @@ def render(result: dict[str, Any]) -> str:
                          f"{r['compress_MBps']:>10.0f} {r['decompress_MBps']:>12.0f}")
         sweep = ", ".join(f"{k} KiB {v:.3f}" for k, v in row["zstd-1+grouped_ratio_by_chunk_kib"].items())
         lines.append(f"{kind:<11} zstd-1+grouped by chunk size: {sweep}")
+        lines.append(f"{kind:<11} order-0 entropy of the byte planes: {row['entropy_bound_grouped']:.3f}")
     return "\n".join(lines)
 
 
