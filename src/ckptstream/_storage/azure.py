@@ -25,6 +25,7 @@ from typing import Any
 
 from .objclient import Answer, Head, ObjectUrl, Page, Upload
 from .objstore import ObjectStorage
+from .s3 import ViewBody  # a memoryview as a file, sent (and rewound to retry) without a copy
 
 __all__ = ["AzureClient", "AzureStorage"]
 
@@ -38,32 +39,6 @@ UNCOMMITTED_KEPT = datetime.timedelta(days=7)  # Azure discards blocks never com
 def block_id(upload_id: str, number: int) -> str:
     """The block id of a part: every id of a blob has the same length, as Azure requires."""
     return base64.b64encode(f"{upload_id}-{number:06d}".encode()).decode()
-
-
-class ViewBody:
-    """A read-only, seekable file over a memoryview: sent (and rewound to retry) without a copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view, self._pos = view, 0
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = max(0, (0, self._pos, len(self._view))[whence] + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int | None = -1) -> memoryview:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = self._view[self._pos : end]
-        self._pos = end
-        return out
 
 
 class AzureClient:
