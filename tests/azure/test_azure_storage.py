@@ -82,6 +82,19 @@ def test_an_abandoned_uploads_blocks_stay_out_of_the_next_commit(azure: Containe
     assert sum(size for _, size in committed(azure, "k")) == len(data)
 
 
+def test_two_writers_of_one_blob_the_first_commit_wins(azure: Container) -> None:
+    """The first commit discards the other writer's staged blocks: that writer's commit fails,
+    typed and naming the URL, and the blob stays the first writer's, whole."""
+    a, b = os.urandom(9 * MiB), os.urandom(10 * MiB)
+    first, second = STORE.create(azure.url("k")), STORE.create(azure.url("k"))
+    write_like_the_engine(first, a, 4096, 4 * MiB)
+    write_like_the_engine(second, b, 4096, 4 * MiB)
+    first.publish()
+    with pytest.raises(ckptstream.ObjectStoreError, match=r"InvalidBlockList.*az://.*/k"):
+        second.publish()
+    assert azure.get("k") == a
+
+
 def test_block_ids_are_of_one_length() -> None:
     ids = {len(block_id(azure_module.AzureClient.create_upload(None, None), n))  # type: ignore[arg-type]
            for n in (1, 2, 10, 49_999)}
