@@ -233,3 +233,21 @@ def test_uncommitted_blocks_expire_after_seven_days() -> None:
 def test_throttling_is_a_typed_error() -> None:
     pytest.skip("Azurite never throttles (no 503 ServerBusy, no 500 OperationTimedOut): the mapping to "
                 "ThrottledError is not tested against a real answer")
+
+
+def test_without_azure_storage_blob_an_az_url_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    code = ("import sys; sys.modules['azure.storage.blob'] = None\n"  # as if not installed
+            "import ckptstream, torch\n"
+            "try:\n"
+            "    ckptstream.save({'w': torch.ones(2)}, 'az://container/k')\n"
+            "except ckptstream.UnsupportedStorageError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                         check=True).stdout
+    assert "az://container/k" in out
+    assert "pip install 'ckptstream[azure]'" in out
