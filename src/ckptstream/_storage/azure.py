@@ -20,6 +20,7 @@ import hashlib
 import http.client
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from .objclient import Answer, Head, ObjectUrl, Page, Upload
 from .objstore import ObjectStorage
 from .s3 import ViewBody  # a memoryview as a file, sent (and rewound to retry) without a copy
 
-__all__ = ["AzureClient", "AzureStorage"]
+__all__ = ["AzureClient", "AzureStorage", "reset_clients"]
 
 MiB = 1 << 20
 MIN_PART = 1 * MiB  # Azure has no least block size: this keeps the held-back head small
@@ -161,6 +162,9 @@ class AzureClient:
         return upload.started
 
 
+_storages: weakref.WeakSet[AzureStorage] = weakref.WeakSet()
+
+
 class AzureStorage(ObjectStorage):
     """``scheme://container/key`` URLs (``az`` unless told) of the account Azure's variables
     name, or the one ``options`` give (``connection_string=``, or ``account_url=`` and
@@ -172,6 +176,7 @@ class AzureStorage(ObjectStorage):
         self.scheme, self._options = scheme.lower(), options
         self._lock = threading.Lock()
         self._clients: dict[float, AzureClient] = {}
+        _storages.add(self)
 
     def client(self) -> AzureClient:
         """This storage's client for the ``s3_timeout`` in force, its sockets' timeout (made once,
@@ -188,6 +193,12 @@ class AzureStorage(ObjectStorage):
         """Forget the clients: the next request makes one from the configuration as it is then."""
         with self._lock:
             self._clients.clear()
+
+
+def reset_clients() -> None:
+    """Every Azure storage's ``reset_client`` (Azure's variables changed)."""
+    for storage in list(_storages):
+        storage.reset_client()
 
 
 def _reader(response: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
