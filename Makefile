@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
 
 .PHONY: demo test lint gpu-test test-torch clean
 
@@ -14,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
+# the Azure Blob Storage emulator of the az:// tests (node and npm are needed for it only)
+$(AZURITE):
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@3.37.0
+
 demo: $(STAMP)
 	$(VENV)/bin/ckptstream bench
 
@@ -21,7 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint $(AZURITE)
 	$(VENV)/bin/pytest -m "not gpu and not slow"
 
 # the CPU suite under another torch release, in a venv of its own (CUDA builds: GBs to download)

@@ -33,11 +33,17 @@ def _gcs() -> Storage:
     return GCSStorage()
 
 
+def _az() -> Storage:
+    from .azure import AzureStorage
+
+    return AzureStorage()
+
+
 # scheme -> the function that makes its storage, importing its module (and client library) only
 # when called
-BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3, "gs": _gcs}
+BUILTIN: dict[str, Callable[[], Storage]] = {"s3": _s3, "gs": _gcs, "az": _az}
 # what to install for a built-in scheme whose module needs an optional extra (pip install ckptstream[...])
-EXTRAS: dict[str, str] = {"s3": "s3", "gs": "gcs"}
+EXTRAS: dict[str, str] = {"s3": "s3", "gs": "gcs", "az": "azure"}
 
 ENTRY_POINTS = "ckptstream.storages"  # the group of third parties' storages, one entry point per scheme
 log = logging.getLogger(__name__)
