@@ -31,16 +31,17 @@ CHILD = Path(__file__).parent / "resume" / "child_torchtitan.py"
 STEPS, EVERY = 24, 3
 
 
-def start(dump: Path, assets: Path, config: str) -> subprocess.Popen[str]:
+def start(dump: Path, assets: Path, config: str, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    dump.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path]),
            "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     args = ["--module", "titan_configs", "--config", config, "--training.steps", str(STEPS),
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
             "--checkpoint.enable", "--checkpoint.interval", str(EVERY), "--checkpoint.async_mode", "async",
-            "--dump_folder", str(dump)]
+            "--dump_folder", str(dump), *extra]
     return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env, cwd=dump.parent)
+                            text=True, env=env, cwd=dump)
 
 
 def free_port() -> int:
@@ -61,20 +62,27 @@ def first_word(lines: list[str]) -> int:
     return int(line.split()[1]) if line.startswith("resumed") else 0
 
 
-def run_whole(dump: Path, assets: Path, config: str) -> list[str]:
-    child = start(dump, assets, config)
+def run_whole(dump: Path, assets: Path, configs: tuple[str, ...], extra: tuple[str, ...] = ()) -> list[list[str]]:
+    """Run the child once per config at the same time (each in a folder of its own): their lines."""
+    children = [start(dump / config, assets, config, extra) for config in configs]
+    outputs = []
     try:
-        out, _ = child.communicate(timeout=600)
+        for child in children:
+            out, _ = child.communicate(timeout=600)
+            assert child.returncode == 0, out[-3000:]
+            outputs.append(out.splitlines())
     finally:
-        child.kill()
-    assert child.returncode == 0, out[-3000:]
-    return out.splitlines()
+        for child in children:
+            child.kill()
+            child.communicate()
+    return outputs
 
 
-def run_killed(dump: Path, assets: Path, chooser: random.Random) -> tuple[int, int, dict[int, str]]:
+def run_killed(dump: Path, assets: Path, chooser: random.Random,
+               extra: tuple[str, ...] = ()) -> tuple[int, int, dict[int, str]]:
     """Start the child, pick a step past the one it resumed from, SIGKILL it once it prints that
     step (it may have run a little further): (resumed from, killed at, its losses)."""
-    child = start(dump, assets, "cpu_stream")
+    child = start(dump, assets, "cpu_stream", extra)
     assert child.stdout is not None
     lines: list[str] = []
     step = None
@@ -122,30 +130,34 @@ def tensors(state: dict[str, object], prefix: str = "") -> dict[str, torch.Tenso
 
 @pytest.mark.timeout(1500)  # eight runs of torchtitan, each spending most of its time importing
 def test_killed_torchtitan_runs_resume_bit_for_bit(tmp_path: Path) -> None:
+    kill_and_resume(tmp_path)
+
+
+def kill_and_resume(tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
+    """The test, with ``extra`` arguments for every run of torchtitan (tests/test_torchtitan_gpu.py)."""
     assets = tmp_path / "assets"
     make_assets(assets)
-    whole = run_whole(tmp_path / "whole", assets, "cpu_stream")
-    default = run_whole(tmp_path / "default", assets, "cpu_debugmodel")
+    whole, default = run_whole(tmp_path, assets, ("cpu_stream", "cpu_debugmodel"), extra)
     assert "fresh" in whole
     assert len(losses(whole)) == STEPS
     assert losses(default) == losses(whole)  # torchtitan's own saver, side by side: the same losses
     reference = losses(whole)
-    chooser, dump, killed_at = random.Random(7), tmp_path / "killed", 0
+    chooser, dump, killed_at = random.Random(7), tmp_path / "killed" / "cpu_stream", 0
     for _ in range(5):
-        resumed, step, seen = run_killed(dump, assets, chooser)
+        resumed, step, seen = run_killed(dump, assets, chooser, extra)
         assert resumed % EVERY == 0, resumed
         assert resumed >= lowest_resume(killed_at), (killed_at, resumed)
         assert seen == {s: reference[s] for s in seen}, (step, resumed)  # every step it ran, also those run again
         killed_at = step
-    lines = run_whole(dump, assets, "cpu_stream")
+    (lines,) = run_whole(tmp_path / "killed", assets, ("cpu_stream",), extra)
     resumed = first_word(lines)
     assert resumed % EVERY == 0
     assert resumed >= lowest_resume(killed_at)
     assert losses(lines) == {s: reference[s] for s in range(resumed + 1, STEPS + 1)}
     last = f"step-{STEPS}"
     mine = tensors(final_state(dump / "checkpoint" / last, stream=True))
-    theirs = tensors(final_state(tmp_path / "whole" / "checkpoint" / last, stream=True))
-    torchtitans = tensors(final_state(tmp_path / "default" / "checkpoint" / last, stream=False))
+    theirs = tensors(final_state(tmp_path / "cpu_stream" / "checkpoint" / last, stream=True))
+    torchtitans = tensors(final_state(tmp_path / "cpu_debugmodel" / "checkpoint" / last, stream=False))
     assert sorted(mine) == sorted(theirs) == sorted(torchtitans)
     assert any(key.startswith("optimizer.") for key in mine)
     assert "tok_embeddings.weight" in mine

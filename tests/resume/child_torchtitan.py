@@ -6,8 +6,9 @@ kills and resumes.
 
 torchtitan 0.3.0 picks "cuda" when no accelerator is found and calls
 ``torch.distributed.set_timeout``, which torch 2.13 does not have: before torchtitan is imported,
-this process makes "cpu" the device (with the few memory-statistics functions torchtitan asks of
-a device module) and adds ``set_timeout`` from ``distributed_c10d``. Nothing of the checkpointer
+this process makes "cpu" the device where CUDA is absent (with the few memory-statistics
+functions torchtitan asks of a device module) and adds ``set_timeout`` from ``distributed_c10d``
+where torch lacks it. Nothing of the checkpointer
 is changed. It prints "resumed N" (or "fresh") once the checkpointer loaded, then "step N LOSS"
 per step (the loss as float.hex).
 """
@@ -38,6 +39,9 @@ def on_cpu() -> None:
     device_module = torch._utils._get_device_module
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda kind="cuda": CPU if kind == "cpu" else device_module(kind)  # type: ignore[assignment]
+
+
+def with_set_timeout() -> None:
     if not hasattr(dist, "set_timeout"):
         def set_timeout(timeout: timedelta, group: Any = None) -> None:
             distributed_c10d._set_pg_timeout(timeout, group)
@@ -65,7 +69,9 @@ def report() -> None:
 
 
 if __name__ == "__main__":
-    on_cpu()
+    if not torch.cuda.is_available():
+        on_cpu()
+    with_set_timeout()
     report()
     sys.argv[0] = "torchtitan.train"
     runpy.run_module("torchtitan.train", run_name="__main__")
