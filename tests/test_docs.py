@@ -5,7 +5,10 @@ README's quick start, and the training loop, which is run, run again as a resume
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +92,7 @@ def test_the_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     from ckptstream.accelerate import state_file
 
-    (example,) = examples("docs/integrations.md")
+    example, _ = examples("docs/integrations.md")
     monkeypatch.chdir(tmp_path)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -106,3 +109,31 @@ def test_the_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for key, tensor in saved["models"][0].items():
         assert torch.equal(loaded[key], tensor), key
     assert "save_state" not in vars(done["accelerator"])  # the block gave the methods back
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None or importlib.util.find_spec("triton") is None,
+                    reason="needs torchtitan and triton (its model configs import it)")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torchtitan's imports
+def test_the_torchtitan_config_module_runs() -> None:
+    from torchtitan.config import ConfigManager
+
+    from ckptstream.torchtitan import StreamCheckpointManager
+
+    _, example = examples("docs/integrations.md")
+    config = run(example, "docs/integrations.md")["llama3_debugmodel_stream"]()
+    assert type(config.checkpoint) is StreamCheckpointManager.Config
+    assert config.checkpoint.interval == 10  # the debug config's, kept
+    assert config.checkpoint.last_save_model_only is False
+    # torchtitan's command line reaches the new options (tyro, from the registry's default)
+    module = types.ModuleType("mytitan_doc")
+    module.llama3_debugmodel_stream = run(example, "docs/integrations.md")["llama3_debugmodel_stream"]  # type: ignore[attr-defined]
+    sys.modules["mytitan_doc"] = module
+    try:
+        parsed = ConfigManager().parse_args(["--module", "mytitan_doc", "--config", "llama3_debugmodel_stream",
+                                             "--checkpoint.enable", "--checkpoint.async_mode", "async",
+                                             "--checkpoint.stream_mode", "lazy"])
+    finally:
+        del sys.modules["mytitan_doc"]
+    assert type(parsed.checkpoint) is StreamCheckpointManager.Config
+    assert (parsed.checkpoint.enable, parsed.checkpoint.async_mode, parsed.checkpoint.stream_mode) == (
+        True, "async", "lazy")
