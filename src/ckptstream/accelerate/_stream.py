@@ -180,16 +180,30 @@ class StreamState:
         if store.exists(folder) and _holds_checkpoint_files(folder):
             raise ValueError(f"Checkpoint directory {folder} ({acc.save_iteration}) already exists: set "
                              "accelerator.project_configuration.iteration to the iteration to go on from")
-        folders = sorted((os.path.join(parent, f) for f in _names(parent) if os.path.join(parent, f) != folder),
-                         key=_number)
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
-            # the newer folders durable first: a kill after the removal still finds a checkpoint to resume
+        if config.total_limit is not None:
+            # every process's earlier saves published first: each folder then either is a checkpoint
+            # or what a killed save left, and a kill after the removal still finds one to resume from
             self.wait()
-            for old in folders[: len(folders) + 1 - config.total_limit]:
-                store.remove_tree(old)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                self._remove_beyond_limit(parent, folder, config.total_limit)
         acc.wait_for_everyone()
         store.make_folders(folder)
         return Path(folder)
+
+    def _remove_beyond_limit(self, parent: str, folder: str, total_limit: int) -> None:
+        """``total_limit`` as Accelerate applies it, counting checkpoints only: a folder without
+        every process's file (a killed save's) is removed and not counted, else a run killed twice
+        in a row would remove its last checkpoint for the leftovers. The newest checkpoint stays
+        until the new one is written, whatever the limit (with ``total_limit=1`` two folders are
+        there from one ``save_state`` until the next)."""
+        store, processes = _store(parent), self.accelerator.num_processes
+        folders = sorted((os.path.join(parent, e.name) for e in store.list_folder(parent)
+                          if e.kind == "folder" and os.path.join(parent, e.name) != folder), key=_number)
+        checkpoints = [f for f in folders if _complete(f, processes) or _holds_accelerate_files(f)]
+        keep = max(total_limit - 1, 1)
+        for old in [f for f in folders if f not in checkpoints] + checkpoints[:-keep]:
+            store.remove_tree(old)
 
     # --- load ---------------------------------------------------------------------------------------
 
@@ -247,7 +261,7 @@ class StreamState:
         folders = sorted((os.path.join(parent, f) for f in _names(parent)), key=_number) if _store(parent).kind(
             parent) == "folder" else []
         for candidate in reversed(folders):
-            if all(_store(candidate).kind(str(state_file(candidate, r))) == "file" for r in range(acc.num_processes)):
+            if _complete(candidate, acc.num_processes):
                 return Path(candidate)
         if folders:
             _refuse_folder(Path(folders[-1]), state_file(folders[-1], acc.process_index))
@@ -301,6 +315,16 @@ def _names(folder: str) -> list[str]:
 
 def _holds_checkpoint_files(folder: str) -> bool:
     return any(f.startswith("ckptstream_state_") or ACCELERATE_FILES.match(f) for f in _names(folder))
+
+
+def _holds_accelerate_files(folder: str) -> bool:
+    """A folder of Accelerate's own saver: a checkpoint to count (as Accelerate counts it)."""
+    return any(ACCELERATE_FILES.match(f) for f in _names(folder))
+
+
+def _complete(folder: str, processes: int) -> bool:
+    """Every process's file is in ``folder`` (each is published whole, or not at all)."""
+    return all(_store(folder).kind(str(state_file(folder, r))) == "file" for r in range(processes))
 
 
 def _refuse_folder(folder: Path, missing: Path) -> None:
