@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckptstream
@@ -43,7 +44,7 @@ def losses(lines: list[str]) -> dict[int, str]:
 
 def run_whole(directory: Path, saver: str, mode: str) -> list[str]:
     child = start(directory, saver, mode)
-    out, _ = child.communicate(timeout=120)
+    out, _ = child.communicate(timeout=600)
     assert child.returncode == 0, out[-2000:] + errors(directory)
     lines = out.splitlines()
     assert lines[0] == "fresh"
@@ -65,7 +66,7 @@ def run_killed(directory: Path, mode: str, chooser: random.Random) -> tuple[int,
         if line.startswith(f"step {step} "):
             child.send_signal(signal.SIGKILL)
             break
-    child.communicate(timeout=60)
+    child.communicate(timeout=600)
     assert child.returncode == -signal.SIGKILL, (first, lines[-3:], errors(directory))
     return resumed, step, losses(lines)
 
@@ -81,6 +82,7 @@ def final_weights(directory: Path) -> dict[str, torch.Tensor]:
     return ckptstream.load(directory / "final.safetensors")
 
 
+@pytest.mark.timeout(1800)  # eight training processes in a row: minutes on a loaded machine
 def test_killed_runs_resume_bit_for_bit(tmp_path: Path) -> None:
     mode, seed = "device", 1  # background saves: a kill may land while one writes
     whole = losses(run_whole(tmp_path / "whole", "stream", mode))
@@ -95,7 +97,7 @@ def test_killed_runs_resume_bit_for_bit(tmp_path: Path) -> None:
         assert seen == {s: whole[s] for s in seen}, (step, resumed)  # every step it ran, also those run again
         killed_at = step
     child = start(directory, "stream", mode)
-    out, _ = child.communicate(timeout=120)
+    out, _ = child.communicate(timeout=600)
     lines = out.splitlines()
     assert child.returncode == 0, errors(directory)
     assert lines[-1] == "done"
