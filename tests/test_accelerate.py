@@ -196,6 +196,66 @@ def test_automatic_naming_and_total_limit_as_accelerate_documents(tmp_path: Path
         assert acc.save_state() == checkpoints / "checkpoint_3"
 
 
+class Killed(Exception):
+    """Stands for a SIGKILL before a save published its file."""
+
+
+def killed_save(*args: Any, **kwargs: Any) -> None:
+    raise Killed
+
+
+def test_a_run_killed_twice_in_a_row_keeps_its_last_checkpoint(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """total_limit counts checkpoints, not the folders killed saves left: else the save after a
+    resume removes the last checkpoint, and a kill before it publishes leaves none to resume."""
+    run = setup(tmp_path / "project", total_limit=2)
+    acc = run["acc"]
+    checkpoints = tmp_path / "project" / "checkpoints"
+    with StreamState(acc):
+        for _ in range(3):
+            train(run, 1)
+            if acc.project_configuration.iteration == 1:
+                last = snapshot(run)
+            acc.save_state()
+    os.remove(state_file(checkpoints / "checkpoint_2", 0))  # killed while it wrote checkpoint_2
+    acc.project_configuration.iteration = 3  # the resumed run goes on after the newest folder
+    with StreamState(acc):
+        acc.load_state()
+        assert_same(snapshot(run), last)
+        train(run, 1)
+        with monkeypatch.context() as patch:
+            patch.setattr("ckptstream.accelerate._stream.save", killed_save)
+            with pytest.raises(Killed):
+                acc.save_state()  # killed again before checkpoint_3 published
+        assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_3"]  # the leftover removed
+        acc.load_state()  # the next resume
+        assert_same(snapshot(run), last)
+        assert acc.save_state() == checkpoints / "checkpoint_3"
+        assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_3"]
+
+
+def test_total_limit_1_keeps_the_last_checkpoint_until_the_next_is_written(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    run = setup(tmp_path / "project", total_limit=1)
+    acc = run["acc"]
+    checkpoints = tmp_path / "project" / "checkpoints"
+    with StreamState(acc):
+        train(run, 1)
+        acc.save_state()
+        train(run, 1)
+        last = snapshot(run)
+        acc.save_state()
+        assert sorted(os.listdir(checkpoints)) == ["checkpoint_0", "checkpoint_1"]
+        train(run, 1)
+        with monkeypatch.context() as patch:
+            patch.setattr("ckptstream.accelerate._stream.save", killed_save)
+            with pytest.raises(Killed):
+                acc.save_state()
+        assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]
+        acc.load_state()
+        assert_same(snapshot(run), last)
+
+
 @pytest.mark.parametrize("mode", ["device", "lazy", "host"])
 def test_a_background_save_holds_the_state_of_its_call(tmp_path: Path, mode: str) -> None:
     run = setup()

@@ -25,9 +25,17 @@ STEPS, SAVE_EVERY = 36, 3  # the child's
 
 
 def start(directory: Path, saver: str, mode: str) -> subprocess.Popen[str]:
+    """The child, its stderr appended to ``<directory>.stderr`` (``errors`` reads it back)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path])}
-    return subprocess.Popen([sys.executable, str(CHILD), str(directory), saver, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{directory}.stderr", "a") as stderr:
+        return subprocess.Popen([sys.executable, str(CHILD), str(directory), saver, mode], stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, env=env)
+
+
+def errors(directory: Path) -> str:
+    """The end of what the children of ``directory`` wrote to stderr (for a failed assertion)."""
+    return Path(f"{directory}.stderr").read_text()[-3000:]
 
 
 def losses(lines: list[str]) -> dict[int, str]:
@@ -36,8 +44,8 @@ def losses(lines: list[str]) -> dict[int, str]:
 
 def run_whole(directory: Path, saver: str, mode: str) -> list[str]:
     child = start(directory, saver, mode)
-    out, _ = child.communicate(timeout=120)
-    assert child.returncode == 0, out[-2000:]
+    out, _ = child.communicate(timeout=600)
+    assert child.returncode == 0, out[-2000:] + errors(directory)
     lines = out.splitlines()
     assert lines[0] == "fresh"
     assert lines[-1] == "done"
@@ -58,8 +66,8 @@ def run_killed(directory: Path, mode: str, chooser: random.Random) -> tuple[int,
         if line.startswith(f"step {step} "):
             child.send_signal(signal.SIGKILL)
             break
-    child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, lines[-3:]
+    child.communicate(timeout=600)
+    assert child.returncode == -signal.SIGKILL, (first, lines[-3:], errors(directory))
     return resumed, step, losses(lines)
 
 
@@ -74,8 +82,7 @@ def final_weights(directory: Path) -> dict[str, torch.Tensor]:
     return ckptstream.load(directory / "final.safetensors")
 
 
-@pytest.mark.xfail(strict=False, reason="known bug, not yet found: in about one run of three a resumed child "
-                   "exits with status 1 before its first step (docs/integrations.md, Accelerate)")
+@pytest.mark.timeout(1800)  # eight training processes in a row: minutes on a loaded machine
 def test_killed_runs_resume_bit_for_bit(tmp_path: Path) -> None:
     mode, seed = "device", 1  # background saves: a kill may land while one writes
     whole = losses(run_whole(tmp_path / "whole", "stream", mode))
@@ -90,9 +97,9 @@ def test_killed_runs_resume_bit_for_bit(tmp_path: Path) -> None:
         assert seen == {s: whole[s] for s in seen}, (step, resumed)  # every step it ran, also those run again
         killed_at = step
     child = start(directory, "stream", mode)
-    out, _ = child.communicate(timeout=120)
+    out, _ = child.communicate(timeout=600)
     lines = out.splitlines()
-    assert child.returncode == 0
+    assert child.returncode == 0, errors(directory)
     assert lines[-1] == "done"
     resumed = int(lines[0].split()[1]) if lines[0].startswith("resumed") else 0
     assert resumed % SAVE_EVERY == 0

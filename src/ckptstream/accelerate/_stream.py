@@ -25,7 +25,7 @@ from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
 from .._errors import AccelerateFolderError, IncompleteCheckpointError, UnsupportedTypeError
 from .._storage import Storage, storage_for
-from . import _state
+from . import _fsdp, _state
 
 __all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_file"]
 
@@ -33,8 +33,8 @@ __all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_fi
 ACCELERATE_FILES = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|(optimizer|scheduler|sampler|"
                               r"dl_state_dict)(_\d+)?\.bin|scaler\.pt|random_states_\d+\.pkl|"
                               r"custom_checkpoint_\d+\.pkl)$")
-_UNSUPPORTED = {"FSDP": "FSDP2 state is sharded: save it with torch.distributed.checkpoint and "
-                        "ckptstream.dcp.StreamWriter (docs/dcp.md)",
+_UNSUPPORTED = {"FSDP": "only FSDP2 with state_dict_type SHARDED_STATE_DICT goes through ckptstream (its model and "
+                        "optimizer through ckptstream.dcp); FSDP1 and full state dicts are written by Accelerate",
                 "DEEPSPEED": "DeepSpeed writes its engine's checkpoint itself",
                 "MEGATRON_LM": "Megatron-LM writes its model's checkpoint itself",
                 "XLA": "XLA tensors are not streamed by ckptstream"}
@@ -69,8 +69,12 @@ class StreamState:
     total_limit=...)`` included). ``close()`` (or the end of a ``with`` block) waits for the
     background saves and gives the accelerator its own methods back.
 
+    Under FSDP2 (``fsdp_version=2``, ``SHARDED_STATE_DICT``) Accelerate's own ``save_state`` /
+    ``load_state`` run instead, their DCP model and optimizer folders written and read by
+    ``ckptstream.dcp`` (``_fsdp``); the other parts stay Accelerate's files.
+
     Args:
-        accelerator: an ``accelerate.Accelerator`` (single process, DDP or multi-CPU).
+        accelerator: an ``accelerate.Accelerator`` (single process, DDP, multi-CPU or FSDP2).
         mode: None saves before ``save_state`` returns (``ckptstream.save``); "device", "lazy" or
             "host" save in the background (``ckptstream.save_async`` in that mode): the file
             holds the state of the call. "lazy" waits before the next optimizer update (and a
@@ -80,16 +84,20 @@ class StreamState:
         load_device: where loaded tensors land before ``load_state_dict`` copies them in.
 
     Raises:
-        UnsupportedTypeError: an FSDP, DeepSpeed, Megatron-LM or XLA accelerator (they write
-            their own sharded state; for FSDP2 see ``ckptstream.dcp``).
-        ValueError: a mode or max_in_flight it does not take.
+        UnsupportedTypeError: an FSDP1 (or FSDP2 full state dict), DeepSpeed, Megatron-LM or
+            XLA accelerator: they write their own state.
+        ValueError: a mode or max_in_flight it does not take (under FSDP2, any mode but None).
     """
 
     def __init__(self, accelerator: Any, mode: str | None = None, *, checksum: bool = True, max_in_flight: int = 1,
                  load_device: str | torch.device = "cpu") -> None:
         kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
-        if kind in _UNSUPPORTED:
+        fsdp = kind == "FSDP" and _fsdp.routes_through_dcp(accelerator)
+        if kind in _UNSUPPORTED and not fsdp:
             raise UnsupportedTypeError(f"StreamState: the accelerator runs {kind}: {_UNSUPPORTED[kind]}")
+        if fsdp and mode is not None:
+            raise ValueError(f"StreamState: under FSDP2 Accelerate saves with dcp.save before save_state returns: mode "
+                             f"must be None, got {mode!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"StreamState: mode must be None (synchronous) or one of {list(MODES)}, got {mode!r}")
         if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
@@ -99,7 +107,10 @@ class StreamState:
         self._lock = threading.Lock()
         self._saves: dict[str, SaveHandle] = {}  # background saves by the folder they write into
         self._guard = Guard()
-        accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
+        self._methods = {"save_state": self._fsdp_save_state, "load_state": self._fsdp_load_state} if fsdp else {
+            "save_state": self.save_state, "load_state": self.load_state}
+        for name, method in self._methods.items():
+            setattr(accelerator, name, method)
 
     def __enter__(self) -> StreamState:
         return self
@@ -114,9 +125,19 @@ class StreamState:
             self._guard.close()
             self.wait()
         finally:
-            for name in ("save_state", "load_state"):
-                if getattr(self.accelerator, name, None) == getattr(self, name):
+            for name, method in self._methods.items():
+                if getattr(self.accelerator, name, None) == method:
                     delattr(self.accelerator, name)
+
+    # --- FSDP2: Accelerate's own methods, its DCP storage made ckptstream's (_fsdp) -------------------
+
+    def _fsdp_save_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _fsdp.through_dcp(self.checksum):
+            return type(self.accelerator).save_state(self.accelerator, *args, **kwargs)
+
+    def _fsdp_load_state(self, *args: Any, **kwargs: Any) -> Any:
+        with _fsdp.through_dcp(self.checksum):
+            return type(self.accelerator).load_state(self.accelerator, *args, **kwargs)
 
     # --- save ---------------------------------------------------------------------------------------
 
@@ -180,16 +201,30 @@ class StreamState:
         if store.exists(folder) and _holds_checkpoint_files(folder):
             raise ValueError(f"Checkpoint directory {folder} ({acc.save_iteration}) already exists: set "
                              "accelerator.project_configuration.iteration to the iteration to go on from")
-        folders = sorted((os.path.join(parent, f) for f in _names(parent) if os.path.join(parent, f) != folder),
-                         key=_number)
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
-            # the newer folders durable first: a kill after the removal still finds a checkpoint to resume
+        if config.total_limit is not None:
+            # every process's earlier saves published first: each folder then either is a checkpoint
+            # or what a killed save left, and a kill after the removal still finds one to resume from
             self.wait()
-            for old in folders[: len(folders) + 1 - config.total_limit]:
-                store.remove_tree(old)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                self._remove_beyond_limit(parent, folder, config.total_limit)
         acc.wait_for_everyone()
         store.make_folders(folder)
         return Path(folder)
+
+    def _remove_beyond_limit(self, parent: str, folder: str, total_limit: int) -> None:
+        """``total_limit`` as Accelerate applies it, counting checkpoints only: a folder without
+        every process's file (a killed save's) is removed and not counted, else a run killed twice
+        in a row would remove its last checkpoint for the leftovers. The newest checkpoint stays
+        until the new one is written, whatever the limit (with ``total_limit=1`` two folders are
+        there from one ``save_state`` until the next)."""
+        store, processes = _store(parent), self.accelerator.num_processes
+        folders = sorted((os.path.join(parent, e.name) for e in store.list_folder(parent)
+                          if e.kind == "folder" and os.path.join(parent, e.name) != folder), key=_number)
+        checkpoints = [f for f in folders if _complete(f, processes) or _holds_accelerate_files(f)]
+        keep = max(total_limit - 1, 1)
+        for old in [f for f in folders if f not in checkpoints] + checkpoints[:-keep]:
+            store.remove_tree(old)
 
     # --- load ---------------------------------------------------------------------------------------
 
@@ -247,7 +282,7 @@ class StreamState:
         folders = sorted((os.path.join(parent, f) for f in _names(parent)), key=_number) if _store(parent).kind(
             parent) == "folder" else []
         for candidate in reversed(folders):
-            if all(_store(candidate).kind(str(state_file(candidate, r))) == "file" for r in range(acc.num_processes)):
+            if _complete(candidate, acc.num_processes):
                 return Path(candidate)
         if folders:
             _refuse_folder(Path(folders[-1]), state_file(folders[-1], acc.process_index))
@@ -301,6 +336,16 @@ def _names(folder: str) -> list[str]:
 
 def _holds_checkpoint_files(folder: str) -> bool:
     return any(f.startswith("ckptstream_state_") or ACCELERATE_FILES.match(f) for f in _names(folder))
+
+
+def _holds_accelerate_files(folder: str) -> bool:
+    """A folder of Accelerate's own saver: a checkpoint to count (as Accelerate counts it)."""
+    return any(ACCELERATE_FILES.match(f) for f in _names(folder))
+
+
+def _complete(folder: str, processes: int) -> bool:
+    """Every process's file is in ``folder`` (each is published whole, or not at all)."""
+    return all(_store(folder).kind(str(state_file(folder, r))) == "file" for r in range(processes))
 
 
 def _refuse_folder(folder: Path, missing: Path) -> None:
