@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 CHILD = Path(__file__).parent / "resume" / "child_trainer.py"
 
@@ -67,3 +67,27 @@ class Runs:
 
 def losses(lines: list[str] | Iterator[str]) -> dict[int, str]:
     return {int(line.split()[1]): line.split()[2] for line in lines if line.startswith("step ")}
+
+
+def tiny_trainer(output_dir: Path, steps: int, save_every: int, cls: Any = None, **kwargs: Any) -> Any:
+    """A Trainer (``StreamTrainer`` unless ``cls``) of a tiny GPT-2 in this process, on the CPU."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ckptstream.transformers import StreamTrainer
+
+    from .resume.child_trainer import Sequences
+
+    optimizers = kwargs.pop("optimizers", None)
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=steps, save_steps=save_every, save_total_limit=2,
+                             per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=2, report_to=[],
+                             use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1000, save_strategy="steps")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=8, n_embd=32, n_layer=2, n_head=2))
+    if optimizers == "two groups":
+        params: list[torch.nn.Parameter] = list(model.parameters())
+        groups: list[dict[str, Any]] = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-3)
+        optimizers = (optimizer, None)
+    extra = {"optimizers": optimizers} if optimizers is not None else {}
+    return (cls or StreamTrainer)(model=model, args=args, train_dataset=Sequences(), **extra, **kwargs)

@@ -88,11 +88,7 @@ class StreamCheckpointsMixin:
         trainer = self._trainer
         self.wait_for_checkpoint()
         if resume_from_checkpoint is True:
-            found = _folders.newest_complete(trainer.args.output_dir, trainer.args.world_size)
-            folders = _folders.checkpoint_folders(trainer.args.output_dir)
-            if found is None and folders:
-                _folders.check_folder(folders[-1], trainer.args.world_size)  # names what the newest one misses
-            resume_from_checkpoint = found if found is not None else True  # True: the Trainer's own "none found"
+            resume_from_checkpoint = self._newest_folder()
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             if not self._is_default_folder(resume_from_checkpoint):
@@ -107,6 +103,19 @@ class StreamCheckpointsMixin:
         self._resume_state = None
         self.wait_for_checkpoint()
         return output
+
+    def _newest_folder(self) -> str | bool:
+        """What ``resume_from_checkpoint=True`` resumes from: the newest complete folder (or with
+        ``load_default_checkpoints`` the newest, where the Trainer's own saver wrote it); True
+        where there is no folder at all, for the Trainer's own "no valid checkpoint" error."""
+        args = self._trainer.args
+        folders = _folders.checkpoint_folders(args.output_dir)
+        if folders and self._is_default_folder(folders[-1]):
+            return folders[-1]
+        found = _folders.newest_complete(args.output_dir, args.world_size)
+        if found is None and folders:
+            _folders.check_folder(folders[-1], args.world_size)  # raises, naming what the newest one misses
+        return True if found is None else found
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the background save in flight, if any (raising its error), then rotate the
