@@ -173,7 +173,10 @@ def test_an_optimizer_whose_param_groups_changed_is_refused_by_key(tmp_path: Pat
     assert digests(tmp_path / "run") == before  # no step ran, no checkpoint was written
 
 
-def test_a_mode_it_does_not_take_is_refused(tmp_path: Path) -> None:
+def test_a_mode_it_does_not_take_and_load_best_model_at_end_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="checkpoint_mode must be None"):
         tiny_trainer(tmp_path / "run", steps=2, save_every=2, checkpoint_mode="eager")
+    best = {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 2}
+    with pytest.raises(ValueError, match="load_best_model_at_end reads the Trainer's own model files"):
+        tiny_trainer(tmp_path / "run", steps=2, save_every=2, training=best, eval_dataset=[])
     assert issubclass(StreamTrainer, Trainer)

@@ -16,7 +16,8 @@ from pathlib import Path
 from .._errors import IncompleteCheckpointError, TrainerFolderError
 from .._storage import storage_for
 
-__all__ = ["TRAINER_FILES", "TRAINER_STATE", "check_folder", "checkpoint_folders", "newest_complete", "state_file"]
+__all__ = ["TRAINER_FILES", "TRAINER_STATE", "check_folder", "checkpoint_folders", "names", "newest_complete",
+           "state_file"]
 
 TRAINER_STATE = "trainer_state.json"
 _FOLDER = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's PREFIX_CHECKPOINT_DIR and its number
@@ -30,15 +31,16 @@ def state_file(folder: str | os.PathLike[str], rank: int) -> Path:
     return Path(folder) / f"ckptstream_state_{rank}.safetensors"
 
 
-def _names(folder: str) -> list[str]:
+def names(folder: str) -> list[str]:
+    """The names in ``folder`` (none where it is not a folder), through its storage."""
     storage = storage_for(folder)
     return sorted(e.name for e in storage.list_folder(folder)) if storage.kind(folder) == "folder" else []
 
 
 def _missing(folder: str, world_size: int) -> list[str]:
-    names = set(_names(folder))
+    found = set(names(folder))
     wanted = [TRAINER_STATE, *(state_file(folder, r).name for r in range(world_size))]
-    return [name for name in wanted if name not in names]
+    return [name for name in wanted if name not in found]
 
 
 def check_folder(folder: str, world_size: int) -> None:
@@ -50,7 +52,7 @@ def check_folder(folder: str, world_size: int) -> None:
     missing = _missing(folder, world_size)
     if not missing:
         return
-    theirs = [name for name in _names(folder) if TRAINER_FILES.match(name)]
+    theirs = [name for name in names(folder) if TRAINER_FILES.match(name)]
     if theirs and any(name.startswith("ckptstream_state_") for name in missing):
         raise TrainerFolderError(
             f"{folder} was written by the Trainer's own saver ({', '.join(theirs)}), not through ckptstream (no "
@@ -66,7 +68,7 @@ def check_folder(folder: str, world_size: int) -> None:
 
 def checkpoint_folders(run_dir: str) -> list[str]:
     """The ``checkpoint-<step>`` folders of ``run_dir``, oldest step first."""
-    found = [(int(m.group(1)), name) for name in _names(run_dir) if (m := _FOLDER.match(name))]
+    found = [(int(m.group(1)), name) for name in names(run_dir) if (m := _FOLDER.match(name))]
     return [os.path.join(run_dir, name) for _, name in sorted(found)]
 
 
@@ -78,6 +80,6 @@ def newest_complete(run_dir: str, world_size: int) -> str | None:
     for folder in reversed(folders):
         if not _missing(folder, world_size):
             return folder
-        if any(TRAINER_FILES.match(name) for name in _names(folder)):
+        if any(TRAINER_FILES.match(name) for name in names(folder)):
             check_folder(folder, world_size)  # raises TrainerFolderError
     return None

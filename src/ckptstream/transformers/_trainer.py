@@ -54,7 +54,7 @@ class StreamCheckpointsMixin:
             Trainer's own loader (``torch.load``) instead of raising ``TrainerFolderError``.
 
     Raises:
-        ValueError: a checkpoint_mode it does not take.
+        ValueError: a checkpoint_mode it does not take; ``load_best_model_at_end``.
         UnsupportedTypeError: DeepSpeed or FSDP (they write their own sharded checkpoints).
     """
 
@@ -69,6 +69,10 @@ class StreamCheckpointsMixin:
             if getattr(trainer, flag, False):
                 raise UnsupportedTypeError(f"{type(self).__name__}: {flag.removeprefix('is_')[:-len('_enabled')]} "
                                            "writes its own sharded checkpoints; for FSDP2 see ckptstream.dcp")
+        if trainer.args.load_best_model_at_end:
+            raise ValueError(f"{type(self).__name__}: load_best_model_at_end reads the Trainer's own model files, "
+                             "which its checkpoints do not hold: load the best checkpoint's 'model' with "
+                             "ckptstream.load (or export it with ckptstream export-hf) after training")
         self.checkpoint_mode, self.checkpoint_checksum = checkpoint_mode, bool(checkpoint_checksum)
         self.load_default_checkpoints = bool(load_default_checkpoints)
         self._pending: SaveHandle | None = None  # the background save in flight (at most one)
@@ -202,10 +206,10 @@ class StreamCheckpointsMixin:
 
     def _is_default_folder(self, folder: str) -> bool:
         """A folder of the Trainer's own saver that ``load_default_checkpoints`` lets its loaders read."""
-        if not self.load_default_checkpoints or state_file(folder, 0).is_file():
+        if not self.load_default_checkpoints:
             return False
-        return any(_folders.TRAINER_FILES.match(name) for name in os.listdir(folder)) if os.path.isdir(
-            folder) else False
+        names = _folders.names(folder)
+        return state_file(folder, 0).name not in names and any(_folders.TRAINER_FILES.match(n) for n in names)
 
     def _resumed(self, folder: str, rank: int | None = None) -> dict[str, Any]:
         """The state file of ``folder`` (this process's, or ``rank``'s), read once per resume."""
