@@ -180,3 +180,19 @@ def test_a_mode_it_does_not_take_and_load_best_model_at_end_are_refused(tmp_path
     with pytest.raises(ValueError, match="load_best_model_at_end reads the Trainer's own model files"):
         tiny_trainer(tmp_path / "run", steps=2, save_every=2, training=best, eval_dataset=[])
     assert issubclass(StreamTrainer, Trainer)
+
+
+def test_a_folder_missing_a_rank_is_incomplete_by_name(tmp_path: Path) -> None:
+    from ckptstream.transformers import _folders
+
+    for step in (2, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+        ckptstream.save({"rng": torch.zeros(2)}, state_file(folder, 0))
+    ckptstream.save({"rng": torch.zeros(2)}, state_file(tmp_path / "checkpoint-2", 1))
+    with pytest.raises(IncompleteCheckpointError, match=r"checkpoint-4: the checkpoint is incomplete, "
+                       r"ckptstream_state_1\.safetensors missing"):
+        _folders.check_folder(str(tmp_path / "checkpoint-4"), world_size=2)
+    assert _folders.newest_complete(str(tmp_path), world_size=2) == str(tmp_path / "checkpoint-2")
+    assert _folders.newest_complete(str(tmp_path), world_size=1) == str(tmp_path / "checkpoint-4")
