@@ -6,6 +6,7 @@ whose param groups changed): typed errors naming the file and key, nothing overw
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,28 @@ def test_a_folder_missing_a_rank_is_incomplete_by_name(tmp_path: Path) -> None:
         _folders.check_folder(str(tmp_path / "checkpoint-4"), world_size=2)
     assert _folders.newest_complete(str(tmp_path), world_size=2) == str(tmp_path / "checkpoint-2")
     assert _folders.newest_complete(str(tmp_path), world_size=1) == str(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.parametrize("mode", ["lazy", "host", "device"])
+def test_each_mode_saves_the_state_of_its_step(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstream._storage.files import FileSink
+
+    # an embedding of 1.2 MiB: "lazy" streams it from the live tensor (smaller CPU tensors are copied at the call)
+    tiny_trainer(tmp_path / "sync", steps=4, save_every=2, checkpoint_mode=None, vocab=10_000).train()
+    real_write = FileSink.write_at
+
+    def slow_write(sink: Any, view: memoryview, offset: int) -> None:
+        time.sleep(0.5)  # a slow disk: the next steps run while the background save still reads
+        real_write(sink, view, offset)
+
+    monkeypatch.setattr(FileSink, "write_at", slow_write)
+    tiny_trainer(tmp_path / mode, steps=4, save_every=2, checkpoint_mode=mode, vocab=10_000).train()
+    monkeypatch.undo()
+    for step in (2, 4):
+        theirs = ckptstream.load(state_file(tmp_path / "sync" / f"checkpoint-{step}", 0))
+        mine = ckptstream.load(state_file(tmp_path / mode / f"checkpoint-{step}", 0))
+        for key, tensor in theirs["model"].items():
+            assert torch.equal(mine["model"][key], tensor), (step, key)
+        for index, moments in theirs["optimizer"]["state"].items():
+            for name, tensor in moments.items():
+                assert torch.equal(mine["optimizer"]["state"][index][name], tensor), (step, index, name)

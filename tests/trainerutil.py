@@ -78,13 +78,13 @@ def tiny_trainer(output_dir: Path, steps: int, save_every: int, cls: Any = None,
 
     from .resume.child_trainer import Sequences
 
-    optimizers, training = kwargs.pop("optimizers", None), kwargs.pop("training", {})
+    optimizers, training, vocab = kwargs.pop("optimizers", None), kwargs.pop("training", {}), kwargs.pop("vocab", 40)
     args = TrainingArguments(output_dir=str(output_dir), max_steps=steps, save_steps=save_every, save_total_limit=2,
                              per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=2, report_to=[],
                              use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1000, save_strategy="steps",
                              **training)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=8, n_embd=32, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=8, n_embd=32, n_layer=2, n_head=2))
     if optimizers == "two groups":
         params: list[torch.nn.Parameter] = list(model.parameters())
         groups: list[dict[str, Any]] = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}]

@@ -19,12 +19,14 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
+from .._checkpoint.guard import Guard, storage_keys
 from .._checkpoint.load import load
 from .._checkpoint.save import save
 from .._checkpoint.save_async import MODES, SaveHandle, save_async
 from .._errors import StateMismatchError, UnsupportedTypeError
 from .._storage import storage_for
 from ..accelerate import _state
+from ..accelerate._stream import _LiveRead, _tensors
 from . import _folders
 from ._folders import TRAINER_STATE, state_file
 
@@ -78,6 +80,7 @@ class StreamCheckpointsMixin:
         self._pending: SaveHandle | None = None  # the background save in flight (at most one)
         self._pending_run_dir: str | None = None  # whose rotation waits for it
         self._resume_state: tuple[str, dict[str, Any]] | None = None  # (folder, its state) while resuming
+        self._guard = Guard()  # "lazy": the next optimizer step waits until the save has read the live tensors
 
     @property
     def _trainer(self) -> Any:
@@ -126,6 +129,7 @@ class StreamCheckpointsMixin:
         folders as ``save_total_limit`` says."""
         handle, run_dir = self._pending, self._pending_run_dir
         self._pending = self._pending_run_dir = None
+        self._guard.close()
         if handle is not None:
             handle.result()
         if run_dir is not None:
@@ -152,8 +156,10 @@ class StreamCheckpointsMixin:
             save(state, target, checksum=self.checkpoint_checksum)
             self._rotate(run_dir)
         else:
-            self._pending = save_async(state, target, mode=self.checkpoint_mode, checksum=self.checkpoint_checksum)
-            self._pending_run_dir = run_dir
+            handle = save_async(state, target, mode=self.checkpoint_mode, checksum=self.checkpoint_checksum)
+            self._pending, self._pending_run_dir = handle, run_dir
+            if self.checkpoint_mode == "lazy" and not handle.staged():
+                self._guard.arm(_LiveRead(handle, storage_keys(_tensors(state))))
 
     def _checkpoint_state(self) -> dict[str, Any]:
         trainer = self._trainer
