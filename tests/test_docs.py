@@ -31,6 +31,12 @@ def examples(doc: str) -> list[str]:
     return found
 
 
+def example_with(doc: str, text: str) -> str:
+    """The one marked Python block of ``doc`` that holds ``text``."""
+    (found,) = [code for code in examples(doc) if text in code]
+    return found
+
+
 def run(code: str, doc: str, **names: Any) -> dict[str, Any]:
     namespace = dict(names)
     exec(compile(code, doc, "exec"), namespace)  # the example as a reader would paste it
@@ -92,7 +98,7 @@ def test_the_accelerate_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     from ckptstream.accelerate import state_file
 
-    example, _ = examples("docs/integrations.md")
+    example = example_with("docs/integrations.md", "StreamState")
     monkeypatch.chdir(tmp_path)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -119,7 +125,7 @@ def test_the_torchtitan_config_module_runs() -> None:
 
     from ckptstream.torchtitan import StreamCheckpointManager
 
-    _, example = examples("docs/integrations.md")
+    example = example_with("docs/integrations.md", "llama3_debugmodel_stream")
     config = run(example, "docs/integrations.md")["llama3_debugmodel_stream"]()
     assert type(config.checkpoint) is StreamCheckpointManager.Config
     assert config.checkpoint.interval == 10  # the debug config's, kept
@@ -137,3 +143,29 @@ def test_the_torchtitan_config_module_runs() -> None:
     assert type(parsed.checkpoint) is StreamCheckpointManager.Config
     assert (parsed.checkpoint.enable, parsed.checkpoint.async_mode, parsed.checkpoint.stream_mode) == (
         True, "async", "lazy")
+
+
+def test_the_trainer_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import GPT2LMHeadModel
+
+    from ckptstream.transformers import state_file
+
+    example = example_with("docs/integrations.md", "StreamTrainer")
+    monkeypatch.chdir(tmp_path)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        done = run(example, "docs/integrations.md")
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    run_dir = tmp_path / "run"
+    assert sorted(f.name for f in run_dir.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert done["trainer"]._initial_global_step == 6  # resumed at 6, not trained from 0 again
+    assert done["trainer"].state.global_step == 8
+    saved = ckptstream.load(state_file(run_dir / "checkpoint-8", 0))
+    loaded = GPT2LMHeadModel.from_pretrained(run_dir / "model").state_dict()
+    for key, tensor in done["model"].state_dict().items():
+        assert torch.equal(saved["model"][key], tensor), key
+        assert torch.equal(loaded[key], tensor), key

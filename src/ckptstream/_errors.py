@@ -190,3 +190,12 @@ class AccelerateFolderError(NotACheckpointError):
     def __init__(self, message: str, path: str, files: list[str]) -> None:
         super().__init__(message, path, "accelerate")
         self.files = files
+
+
+class TrainerFolderError(NotACheckpointError):
+    """A checkpoint folder written by the Hugging Face Trainer's own saver (``files`` names what
+    is there), given to a Trainer that reads its checkpoints through ckptstream."""
+
+    def __init__(self, message: str, path: str, files: list[str]) -> None:
+        super().__init__(message, path, "transformers.Trainer")
+        self.files = files
