@@ -355,7 +355,7 @@ def test_one_hundred_failing_transfers_leak_nothing(monkeypatch: pytest.MonkeyPa
     for i in range(100):
         failing_transfer(i)
         assert_released()
-    assert fd_count() == fds
+    assert fd_count() <= fds  # fewer where an earlier test's sockets were collected meanwhile
     assert (threading.active_count(), native_threads()) == (threads, native)
     # a leak of anything per failure shows: a set of staging buffers is 1 MiB, a loaded state 4 MiB
     grown = settled_rss_kib() - rss

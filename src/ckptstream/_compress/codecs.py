@@ -8,7 +8,6 @@ missing package is named in the error with the command that installs it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,15 +24,15 @@ class Codec:
     decompress: Callable[[Buffer, int], bytes]
 
 
-def _module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise ImportError(f"the {name} codec needs the {name!r} package: pip install 'ckptstream[compress]'") from e
+def _missing(name: str) -> ImportError:
+    return ImportError(f"the {name} codec needs the {name!r} package: pip install 'ckptstream[compress]'")
 
 
 def _zstd(level: int) -> Codec:
-    zstd = _module("zstandard")
+    try:
+        import zstandard as zstd
+    except ImportError as e:
+        raise _missing("zstandard") from e
     # one compressor and decompressor per codec object would not be thread-safe: zstandard's
     # contexts may not be shared between threads, so each call makes its own (cheap next to a chunk)
     def compress(data: Buffer) -> bytes:
@@ -48,7 +47,10 @@ def _zstd(level: int) -> Codec:
 
 
 def _lz4() -> Codec:
-    frame = _module("lz4.frame")
+    try:
+        import lz4.frame as frame
+    except ImportError as e:
+        raise _missing("lz4") from e
 
     def compress(data: Buffer) -> bytes:
         out: bytes = frame.compress(data, store_size=True)
