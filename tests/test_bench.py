@@ -219,10 +219,17 @@ def test_many_small_tensors_state() -> None:
     assert spec.nbytes() == state_nbytes(state) == 300 * 1024
 
 
+def touched_pages(nbytes: int) -> None:
+    """``nbytes`` of new resident memory, then freed: an anonymous mapping of its own, whose every
+    page is written (an allocator's block could reuse pages an earlier test left resident)."""
+    with mmap.mmap(-1, nbytes) as block:
+        for at in range(0, nbytes, mmap.PAGESIZE):
+            block[at] = 1
+
+
 def test_peak_rss_sees_a_freed_allocation() -> None:
     with measure.PeakRss() as rss:
-        block = torch.ones(64 * MiB, dtype=torch.uint8)  # touched pages
-        del block
+        touched_pages(64 * MiB)
     assert rss.method == "VmHWM"
     assert rss.growth >= 60 * MiB
     with measure.PeakRss() as idle:
@@ -232,10 +239,10 @@ def test_peak_rss_sees_a_freed_allocation() -> None:
 
 def test_peak_rss_falls_back_to_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(measure, "_reset_high_water_mark", lambda: False)
-    with measure.PeakRss() as rss:
-        block = torch.ones(64 * MiB, dtype=torch.uint8)
+    with mmap.mmap(-1, 64 * MiB) as block, measure.PeakRss() as rss:
+        for at in range(0, 64 * MiB, mmap.PAGESIZE):
+            block[at] = 1
         time.sleep(0.05)
-        del block
     assert rss.method == "sampled"
     assert rss.growth >= 60 * MiB
 
