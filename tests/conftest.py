@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 import zlib
@@ -28,6 +29,26 @@ from tests.helpers import CUDA, READ_CALLS, direct_io_supported
 from tests.memstore import MemStorage
 from tests.s3.s3util import s3_server  # noqa: F401  (a fixture: the S3 target of ``place``)
 from tests.storages import Place, Target, mark_differences, params
+
+# the object-store suites and the client libraries they import at collection
+_CLIENTS = {"s3": ("boto3",), "gcs": ("boto3", "google.cloud.storage"), "azure": ("boto3", "azure.storage.blob")}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m gpu`` (a GPU machine may lack the object-store extras, and no such suite has
+    a GPU test) a suite whose client library is missing is not collected; elsewhere it fails to
+    collect, so that a test environment without a test dependency fails loudly."""
+    clients = _CLIENTS.get(collection_path.name) if collection_path.parent == Path(__file__).parent else None
+    if clients is None or config.getoption("markexpr") != "gpu":
+        return None
+    return any(_missing(name) for name in clients) or None
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:
+        return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -400,3 +400,30 @@ def test_a_registered_object_ckptstream_does_not_store_is_named_before_any_file(
                                                                match=r"custom.*1.*tags"):
         run["acc"].save_state(tmp_path / "ckpt")
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+def test_without_accelerates_backend_helper_the_generators_still_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accelerate before 1.16 has no ``get_torch_accelerator_backend``: the module's own
+    stand-in names the same accelerator (none on a CPU machine), and the states round trip."""
+    import importlib
+
+    import accelerate.utils
+
+    from ckptstream.accelerate import _state
+
+    expected = accelerate.utils.get_torch_accelerator_backend()
+    monkeypatch.delattr(accelerate.utils, "get_torch_accelerator_backend")
+    try:
+        importlib.reload(_state)
+        assert _state.get_torch_accelerator_backend.__module__ == _state.__name__
+        assert _state.get_torch_accelerator_backend() == expected
+        saved = _state.rng_state(3)
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        first = [random.random(), *(torch.rand(4, device=d) for d in devices)]
+        _state.set_rng_state(saved)
+        again = [random.random(), *(torch.rand(4, device=d) for d in devices)]
+        assert first[0] == again[0]
+        assert all(torch.equal(a, b) for a, b in zip(first[1:], again[1:], strict=True))
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_state)

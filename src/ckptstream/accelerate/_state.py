@@ -20,9 +20,22 @@ from typing import Any, cast
 import numpy as np
 import torch
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-from accelerate.utils import get_torch_accelerator_backend
 
 from .._errors import StateMismatchError
+
+try:
+    from accelerate.utils import get_torch_accelerator_backend
+except ImportError:  # Accelerate before 1.16
+
+    def get_torch_accelerator_backend() -> tuple[str | None, Any]:
+        """The accelerator whose generators Accelerate saves, and its torch module."""
+        for name in ("cuda", "xpu", "npu", "mlu", "musa"):
+            module = getattr(torch, name, None)
+            if module is not None and module.is_available():
+                return name, module
+        if torch.backends.mps.is_available():
+            return "mps", torch.mps
+        return None, None
 
 __all__ = ["SHARED", "apply", "check", "rng_state", "set_rng_state", "shared_state"]
 
