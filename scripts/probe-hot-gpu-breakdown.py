@@ -1,8 +1,9 @@
-"""Not yet run (written for the next GPU call). Where a hot load of the benchmark's GPT-like state into a GPU spends its time: per I/O thread,
+"""Where a hot load of the benchmark's GPT-like state into a GPU spends its time: per I/O thread,
 the reads from the page cache, the copy launches, the waits for a staging buffer's copies, the
 host checksums, and the device checksums at the end; under several staging shapes, beside the
 bare pipeline on the same file (run from the repository root on a GPU machine:
-PYTHONPATH=src python scripts/probe-hot-gpu-breakdown.py; PROBE_GIB sets the state's size)."""
+PYTHONPATH=src python scripts/probe-hot-gpu-breakdown.py; PROBE_GIB sets the state's size; one
+run: docs/results/probe-hot-gpu-breakdown-h200.txt)."""
 import collections, os, threading, time
 import torch
 import ckptstream
