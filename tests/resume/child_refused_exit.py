@@ -1,5 +1,5 @@
 """A rank of a gloo run whose CheckpointManager, kept in no variable, refuses to save a DTensor,
-then ends without ``destroy_process_group`` (tests/test_manager_processes.py).
+then ends without ``destroy_process_group`` (rank 1 leaves its group after its save) (tests/test_manager_processes.py).
 
     child_refused_exit.py RANK WORLD_SIZE DIR
 
@@ -51,6 +51,10 @@ def main(rank: int, world_size: int, folder: str) -> None:
             print("made", flush=True)
             sys.stdin.readline()
             ckpts.save({"w": w}, 1)
+            ckpts.wait()
+            # rank 0 is the process under test; rank 1 leaves its group so that gloo's threads
+            # do not race the interpreter's shutdown once rank 0 has gone (an abort under load)
+            dist.destroy_process_group()
     except ckptstream.UnsupportedTypeError:
         print("refused", flush=True)
 
