@@ -1,5 +1,5 @@
 """A rank of a gloo run whose CheckpointManager, kept in no variable, refuses to save a DTensor,
-then ends without ``destroy_process_group`` (rank 1 leaves its group after its save) (tests/test_manager_processes.py).
+then ends without ``destroy_process_group`` (tests/test_manager_processes.py; rank 1 leaves its group after its save).
 
     child_refused_exit.py RANK WORLD_SIZE DIR
 
