@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint $(AZURITE)
-	$(VENV)/bin/pytest -m "not gpu and not slow"
+	$(VENV)/bin/pytest -m "not gpu and not slow" --durations=30
 
 # the CPU suite under another torch release, in a venv of its own (CUDA builds: GBs to download)
 test-torch:
