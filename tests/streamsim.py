@@ -16,6 +16,7 @@ Install with the ``simulated_gpu`` fixture of the tests that use it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -84,7 +85,9 @@ class SimDevices:
 
     pins_staging = False
 
-    def __init__(self) -> None:
+    def __init__(self, copies_by_address: bool = True) -> None:
+        self.by_address = copies_by_address  # False: as where no CUDA runtime is found
+        self.copied_by_address = 0  # bytes queued that way
         self.default = SimStream("default")  # the caller's stream
         self._local = threading.local()
         self.streams: list[SimStream] = [self.default]
@@ -114,6 +117,21 @@ class SimDevices:
 
     def run(self, copy: Callable[[], None]) -> None:
         self.current_stream(DEVICE).enqueue(copy)
+
+    def copies_by_address(self) -> bool:
+        return self.by_address
+
+    def copier(self, stream: SimStream) -> Callable[[int, int, int], None] | None:
+        """Copies by address, queued on ``stream`` as ``cudaMemcpyAsync`` would be."""
+        if not self.by_address:
+            return None
+
+        def copy(dst: int, src: int, nbytes: int) -> None:
+            def run() -> None:
+                ctypes.memmove(dst, src, nbytes)
+            self.copied_by_address += nbytes
+            stream.enqueue(run)
+        return copy
 
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.numel() >= 64  # most tensors, so that the path is taken

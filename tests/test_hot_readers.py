@@ -1,6 +1,6 @@
-"""A load into host memory whose file the page cache holds gets more readers (hot_io_threads,
-up to the cores), the same staging split among them; a load into a GPU keeps io_threads. The
-tensors arrive byte-exact either way."""
+"""A load whose file the page cache holds gets more readers (hot_io_threads, up to the cores),
+the same staging split among them (into a GPU, where copies are queued by address, without the
+interpreter lock; else the configured readers). The tensors arrive byte-exact either way."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import ckptstream
-from ckptstream._engine import read
+from ckptstream._engine import read, streams
 from ckptstream._settings import Settings
+from tests.streamsim import SimDevices
 
 
 def spy_tune(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
@@ -43,11 +44,70 @@ def test_a_hot_load_into_host_memory_gets_more_readers(tmp_path: Path, device: t
     with ckptstream.settings(io_threads=1, num_buffers=2, buffer_size=8 << 20, hot_io_threads=2):
         loaded = ckptstream.load(path, device=device, mmap=False)
     assert chosen
-    if device.type == "cpu":
-        assert chosen[-1].io_threads == 2, chosen
-        assert chosen[-1].buffer_size * chosen[-1].num_buffers <= 16 << 20  # the same staging, split
-    else:
-        assert chosen[-1].io_threads == 1, chosen
+    assert chosen[-1].io_threads == 2, chosen
+    assert chosen[-1].buffer_size * chosen[-1].num_buffers <= 16 << 20  # the same staging, split
     for name, t in state.items():
         assert loaded[name].device.type == device.type
         assert torch.equal(loaded[name].cpu(), t)
+
+
+@pytest.mark.parametrize("by_address", [True, False], ids=["copies-by-address", "copies-through-torch"])
+def test_a_hot_load_into_a_device_gets_more_readers_where_copies_skip_the_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by_address: bool) -> None:
+    """On the simulated GPU (tests/streamsim.py: device copies that run only when waited for):
+    more readers where copies are queued by address; the configured readers where they go
+    through torch. Tensors that split elements across the small chunks arrive exact."""
+    gen = torch.Generator().manual_seed(11)
+    state = {"a": torch.randn(300_001, generator=gen), "b": torch.randint(-9, 9, (513, 1027), generator=gen,
+                                                                          dtype=torch.int16)}
+    path = tmp_path / "hot.safetensors"
+    ckptstream.save(state, path)
+    path.read_bytes()  # in the page cache, whole
+    sim = SimDevices(copies_by_address=by_address)
+    monkeypatch.setattr(streams, "DEVICES", sim)
+    monkeypatch.setattr(read, "HOT_FROM", 0)  # a hot load, whatever its size
+    chosen = spy_tune(monkeypatch)
+    cfg = Settings(io_threads=1, num_buffers=2, buffer_size=256 << 10, hot_io_threads=2, direct_io="off")
+    loaded = ckptstream.load(path, mmap=False, settings=cfg, checksum=False)
+    sim.drain()
+    if (os.cpu_count() or 1) >= 2 and by_address:
+        assert (chosen[-1].io_threads, chosen[-1].num_buffers, chosen[-1].buffer_size) == (2, 2, 256 << 10), chosen
+    else:
+        assert chosen[-1] == cfg, chosen
+    assert (sim.copied_by_address > 0) == by_address
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_copies_go_by_address_through_the_runtime_torch_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA runtime is found among the process's libraries, a load into the GPU queues its
+    copies through it (counted), and every byte arrives, in tensors cut across chunks."""
+    from ckptstream._engine import cudart
+
+    torch.empty(1, device="cuda")  # the runtime is loaded with torch's CUDA context
+    assert cudart.runtime() is not None
+    copied = []
+    make = cudart.copier
+
+    def counting(handle: int) -> cudart.Copier | None:
+        copy = make(handle)
+        assert copy is not None
+
+        def count(dst: int, src: int, nbytes: int) -> None:
+            copied.append(nbytes)
+            copy(dst, src, nbytes)
+        return count
+
+    monkeypatch.setattr(cudart, "copier", counting)
+    gen = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(1_000_003, generator=gen), "b": torch.randint(0, 255, (3, 777_777), generator=gen,
+                                                                            dtype=torch.uint8)}
+    path = tmp_path / "s.safetensors"
+    ckptstream.save(state, path)
+    loaded = ckptstream.load(path, device="cuda", settings=Settings(buffer_size=1 << 20, num_buffers=3))
+    torch.cuda.synchronize()
+    assert sum(copied) == sum(t.numel() * t.element_size() for t in state.values())
+    for name, t in state.items():
+        assert torch.equal(loaded[name].cpu(), t), name

@@ -25,9 +25,11 @@ from tests.streamsim import SimDevices
 SMALL: dict[str, Any] = {"buffer_size": 4096, "num_buffers": 2, "io_threads": 2}
 
 
-@pytest.fixture
-def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimDevices]:
-    sim = SimDevices()
+@pytest.fixture(params=[True, False], ids=["by-address", "through-torch"])
+def simulated_gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[SimDevices]:
+    """The simulated GPU, with host-to-device copies by address (the CUDA runtime found, see
+    ``_engine.cudart``) and without (every copy through torch)."""
+    sim = SimDevices(copies_by_address=request.param)
     monkeypatch.setattr(streams, "DEVICES", sim)
     yield sim
     sim.drain()
@@ -86,6 +88,8 @@ def test_load_refills_a_buffer_only_after_its_copies_ran(simulated_gpu: SimDevic
         assert torch.equal(loaded[k], v), k
         assert torch.equal(targets[k], v), k
     assert torch.equal(dst, src)
+    # the path the parameter names was taken: most bytes by address, or none
+    assert (simulated_gpu.copied_by_address > 2 * dst.numel()) == simulated_gpu.by_address
 
 
 def test_device_checksums_run_after_the_copies(simulated_gpu: SimDevices, tmp_path: Path) -> None:

@@ -60,10 +60,11 @@ class Settings:
             (reads keep the page cache), "on" forces it (an error where the file system
             refuses it; buffer_size must be a multiple of 4096), "off" never uses it. Given as
             a ``DirectIO``, its value, or True / False / None (on / off / auto).
-        hot_io_threads: I/O threads of a load into host memory (or a verify) whose bytes the
-            page cache already holds (such a load is bound by memory copies, not by the disk),
-            up to the number of cores; the same staging memory is split among them. Loads into
-            a GPU keep io_threads. Set it to io_threads to turn this off.
+        hot_io_threads: I/O threads of a load (or a verify) whose bytes the page cache
+            already holds (such a load is bound by memory copies, not by the disk), up to the
+            number of cores; the same staging memory is split among them. A load into several
+            GPUs, or into one where the CUDA runtime cannot be called directly, keeps
+            io_threads. Set it to io_threads to turn this off.
         s3_timeout: seconds an object store (``s3://``) has to connect and to start its answer
             to a request; also the socket timeout of each attempt.
         s3_min_rate: the slowest bytes per second a request to an object store may move: each

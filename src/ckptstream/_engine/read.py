@@ -29,6 +29,7 @@ from .. import _checksum
 from .._errors import TruncatedFileError
 from .._settings import ALIGN, DirectIO, Settings
 from .._storage import Source, round_down, round_up
+from . import streams
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
@@ -90,6 +91,9 @@ class ReadEngine(Engine[Source]):
         # source reads anywhere: a grid's whole blocks need the aligned staging buffers)
         self._unstaged = [self.grid == 1 and _host_runs(c, self.host) for c in self.chunks]
         self._local = threading.local()  # per I/O thread: its reader
+        # per piece in device memory: the address of its bytes (for copies by address)
+        self._address = [f.data_ptr() if f is not None and d is not None else 0
+                         for f, d in zip(self.flat, self.device, strict=True)]
 
     def _device_spans(self) -> dict[int, tuple[int, int]]:
         """Per device piece of several spans whose spans the device can checksum: the range of
@@ -148,24 +152,28 @@ class ReadEngine(Engine[Source]):
         return getattr(self._local, "reader", self.file)
 
     def tune(self, cfg: Settings, file: Source, pieces: Sequence[Piece]) -> Settings:
-        """A load into host memory from a file the page cache holds is bound by memory copies,
-        not by the disk: then more readers (hot_io_threads, up to the cores), the same staging
-        split among them. (Loads into a device keep the configured few large buffers: more
-        readers with smaller buffers loaded no faster into a GPU, with more copies and events.)"""
+        """A load from a file the page cache holds is bound by memory copies, not by the disk:
+        then more readers (hot_io_threads, up to the cores), the same staging split among them.
+        A load into a GPU gets them only where its copies are queued without the interpreter
+        lock (``cudart``): copies queued through torch hold the lock, and more readers with
+        smaller buffers then loaded no faster (docs/benchmarks.md, "A copy loop without the
+        interpreter lock"; there, too, one buffer per reader beat two of half the size)."""
         threads = min(cfg.hot_io_threads, os.cpu_count() or 1)
         moved = [p for p in pieces if p.hi > p.lo]
-        if (threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved
-                or any(p.tensor is not None and p.tensor.device.type != "cpu" for p in moved)):
+        if threads <= cfg.io_threads or cfg.direct_io is DirectIO.ON or not moved:
+            return cfg
+        devices = {streams.DEVICES.device_of(p.tensor) for p in moved if p.tensor is not None} - {None}
+        if devices and (len(devices) > 1 or not streams.DEVICES.copies_by_address()):
             return cfg
         begin, end = min(p.offset for p in moved), max(p.end for p in moved)
         if end - begin < HOT_FROM or (file.resident_fraction(begin, end - begin) or 0) < HOT_SHARE:
             return cfg
-        staging = cfg.buffer_size * cfg.num_buffers
-        size = max(ALIGN, staging // max(threads, cfg.num_buffers) // ALIGN * ALIGN)
-        log.debug("%s: hot load into host memory: %d readers, %d buffers of %d bytes (configured: %d, %d x %d)",
-                  file.name, threads, max(threads, cfg.num_buffers), size, cfg.io_threads, cfg.num_buffers,
-                  cfg.buffer_size)
-        return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=max(threads, cfg.num_buffers))
+        count = max(threads, cfg.num_buffers)
+        size = max(ALIGN, cfg.buffer_size * cfg.num_buffers // count // ALIGN * ALIGN)
+        log.debug("%s: hot load into %s: %d readers, %d buffers of %d bytes (configured: %d, %d x %d)",
+                  file.name, "a device" if devices else "host memory", threads, count, size, cfg.io_threads,
+                  cfg.num_buffers, cfg.buffer_size)
+        return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=count)
 
     def _has_ordered(self, chunk: Chunk) -> bool:
         """Whether the chunk holds parts of non-contiguous tensors."""
@@ -211,6 +219,10 @@ class ReadEngine(Engine[Source]):
                 end = parts[-1].at + parts[-1].hi - parts[-1].lo
                 flats = [self.flat[p.piece][p.lo : p.hi] for p in parts]  # type: ignore[index]
                 self.streams.enqueue(partial(_scatter, buf.tensor[part.at : end], flats))
+            elif (copy := self.streams.copier(self.device[i])) is not None:  # type: ignore[arg-type]
+                address = self._address
+                for p in parts:
+                    copy(address[p.piece] + p.lo, buf.ptr + p.at, p.hi - p.lo)
             else:
                 for p in parts:
                     self.streams.enqueue(partial(_copy, self.flat[p.piece][p.lo : p.hi], self.staged(buf, p)))  # type: ignore[index]

@@ -5,7 +5,9 @@ that the transfer's copies must follow: where it is made, in the caller's thread
 through ``mark``. The engine then, from any thread:
 - ``begin()``: a side stream per device waits for that point (a save copies what the kernels
   queued before it produce; a load does not overwrite memory they still read);
-- ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams;
+- ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams (or, where
+  ``copier(device)`` gives one, queue host-to-device copies by address without the
+  interpreter lock, see ``cudart``);
 - ``record(devices)``: events marking a chunk's copies, which the I/O thread waits for before
   it writes the staging buffer to the file, or refills it from the file;
 - ``checksums(tensors)`` (or ``span_checksums``) inside ``copying()``: CRC-32Cs computed on
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import gpucrc
+from . import cudart, gpucrc
 
 
 def check_stream(stream: object) -> None:
@@ -64,6 +66,14 @@ class CudaDevices:
     def run(self, copy: Callable[[], None]) -> None:
         """Enqueue ``copy``'s device work on the current streams."""
         copy()
+
+    def copies_by_address(self) -> bool:
+        """Whether ``copier`` gives copies that do not hold the interpreter lock."""
+        return cudart.runtime() is not None
+
+    def copier(self, stream: Any) -> cudart.Copier | None:
+        """Host-to-device copies by address on ``stream``, queued without the interpreter lock."""
+        return cudart.copier(stream.cuda_stream)
 
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.is_cuda and gpucrc.eligible(flat) and gpucrc.usable(flat.device)
@@ -112,6 +122,7 @@ class Streams:
         self._caller = {device: caller for device, (caller, _) in after.items()}
         self._ready = {device: ready for device, (_, ready) in after.items()}
         self._side: dict[torch.device, Any] = {}
+        self._copiers: dict[torch.device, cudart.Copier | None] = {}
 
     def device_of(self, t: torch.Tensor) -> torch.device | None:
         return DEVICES.device_of(t)
@@ -132,6 +143,15 @@ class Streams:
 
     def enqueue(self, copy: Callable[[], None]) -> None:
         DEVICES.run(copy)
+
+    def copier(self, device: torch.device) -> cudart.Copier | None:
+        """Host-to-device copies (device address, page-locked host address, bytes) on the side
+        stream of ``device``, queued without the interpreter lock; None: copy through
+        ``enqueue``. Only where the transfer has one device: the runtime queues a copy through
+        the thread's current device, which ``copying()`` leaves at the last one."""
+        if device not in self._copiers:  # threads racing here make the same one
+            self._copiers[device] = DEVICES.copier(self._side[device]) if len(self._side) == 1 else None
+        return self._copiers[device]
 
     def record(self, devices: Iterable[torch.device]) -> list[Any]:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""
