@@ -4,8 +4,10 @@
 - one collection hook skips ``gpu``-marked tests where torch sees no CUDA device;
 - ``direct_io``: a test runs under each O_DIRECT mode; ``jitter``: I/O threads finish out of order;
 - ``mem``: an in-memory storage served for ``mem://`` URLs; ``place``: a test runs on every
-  storage of ``tests/storages.py`` (the local file system, that storage, S3 through the real
-  ``rclone serve s3`` of tests/s3, one server for the session);
+  storage of ``tests/storages.py`` (the local file system, that storage, and the object stores
+  through the real servers of their suites, one each for the session: S3 through the
+  ``rclone serve s3`` of tests/s3, GCS through the gcp-storage-emulator of tests/gcs, Azure Blob
+  Storage through the Azurite of tests/azure);
 - every test draws its random data from a seed of its own.
 """
 
@@ -25,6 +27,8 @@ import torch
 import ckptstream
 from ckptstream import DirectIO
 from ckptstream._storage import fileio, register
+from tests.azure.azutil import azure_server  # noqa: F401  (a fixture: the Azure target of ``place``)
+from tests.gcs.gcsutil import gcs_server  # noqa: F401  (a fixture: the GCS target of ``place``)
 from tests.helpers import CUDA, READ_CALLS, direct_io_supported
 from tests.memstore import MemStorage
 from tests.s3.s3util import s3_server  # noqa: F401  (a fixture: the S3 target of ``place``)

@@ -1,6 +1,7 @@
 """The storage seam's contract, on every storage of tests/storages.py (the local file system, the
-in-memory storage, S3): which storage a path or URL names, sinks (nothing visible before
-``publish``, ``abandon`` leaves the old object), sources (reads stop at the end), the namespace
+in-memory storage, S3, GCS, Azure Blob Storage): which storage a path or URL names, sinks
+(nothing visible before ``publish``, ``abandon`` leaves the old object, parts written in any
+order make the object whole), sources (reads stop at the end), the namespace
 operations the manager needs, the grid a sink asks the engine to plan on, and the local sink's
 O_DIRECT split."""
 
@@ -213,6 +214,24 @@ def test_an_abandoned_or_published_sink_leaves_nothing_behind(place: Place) -> N
         assert not s.exists(s.join(root, "kept.bin"))
     assert (s.unfinished(root), place.names()) == ([], ["kept.bin"])
     assert place.read_bytes(s.join(root, "kept.bin")) == data
+
+
+def test_a_write_of_many_parts_reads_back_whole(place: Place) -> None:
+    """Three parts written last first (I/O threads finish in any order), the head last, as the
+    engine writes them: published, the object is the bytes in order, and nothing is left of
+    them, nor of a dead writer's upload of the name (removed by ``create``, or discarded by the
+    commit)."""
+    s = place.storage
+    path = s.join(place.root, "whole.bin")
+    cut = (place.begun_at // (5 * MiB) + 1) * 5 * MiB  # where the part after the first upload's ends
+    data = random_bytes(cut + 1000).numpy().tobytes()
+    place.leave_dead_writer(path)
+    with s.create(path) as sink:
+        sink.grid(5 * MiB, DirectIO.AUTO)
+        for lo, hi in ((cut, len(data)), (place.begun_at, cut), (0, place.begun_at)):
+            sink.write_at(memoryview(data)[lo:hi], lo)
+    assert place.read_bytes(path) == data
+    assert (s.size(path), s.unfinished(place.root), place.names()) == (len(data), [], ["whole.bin"])
 
 
 def test_a_source_reads_until_its_end(place: Place) -> None:

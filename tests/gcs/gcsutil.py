@@ -71,10 +71,11 @@ def use_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, s
     reset_clients()
 
 
-def new_bucket(server: GCSServer) -> Bucket:
+def new_bucket(server: GCSServer, raw: Any = None) -> Bucket:
     """A new bucket, without soft delete (GCS's default keeps deleted objects 7 days, and the
-    emulator keeps them in its memory: every part a test removes would stay there)."""
-    raw = raw_client(server.env)
+    emulator keeps them in its memory: every part a test removes would stay there); ``raw``, a
+    raw client of the server, else one made for it."""
+    raw = raw or raw_client(server.env)
     bucket = raw.bucket(f"ckpt-{uuid.uuid4().hex[:16]}")
     raw.create_bucket(bucket)
     bucket.soft_delete_policy.retention_duration_seconds = 0  # (the emulator takes it in a patch, not at creation)
