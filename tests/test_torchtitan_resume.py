@@ -5,17 +5,22 @@ llama3 debug model (tests/resume/titan_configs.py) trained for STEPS steps with
 SIGKILL at seeded random steps (while a save may still write), resumed by torchtitan's own resume
 (the same command, the same checkpoint folder); its losses and final state are bit-equal to an
 uninterrupted run's, and torchtitan's own saver side by side gives the same losses. The kill points
-are reached by reading the child's output: no timing."""
+are reached by reading the child's output: no timing. On a CPU the runs are forked from a server
+that has imported torchtitan once (tests/resume/titan_server.py); on a GPU each is started anew."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,19 +32,102 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None
                                 or importlib.util.find_spec("triton") is None,
                                 reason="needs torchtitan and triton (torchtitan's trainer imports it)")
 
-CHILD = Path(__file__).parent / "resume" / "child_torchtitan.py"
+RESUME = Path(__file__).parent / "resume"
+CHILD, SERVER = RESUME / "child_torchtitan.py", RESUME / "titan_server.py"
 STEPS, EVERY = 24, 3
 
 
-def start(dump: Path, assets: Path, config: str, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+class Server:
+    """The fork server: one process that imported torchtitan, forking each run."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1, env=env)
+        assert self.said() == ["ready"]
+
+    def said(self) -> list[str]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the fork server ended (status {self.proc.wait()})"
+        return line.split()
+
+    def ask(self, verb: str, what: str) -> list[str]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{verb} {what}\n")
+        self.proc.stdin.flush()
+        return self.said()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class Forked:
+    """A run forked by the server, seen as the test sees a ``Popen``: ``stdout``, ``send_signal``,
+    ``kill``, ``communicate`` and ``returncode``."""
+
+    def __init__(self, server: Server, dump: Path, env: dict[str, str], args: list[str]) -> None:
+        fifo = dump / f"stdout-{len(list(dump.glob('stdout-*')))}"
+        os.mkfifo(fifo)
+        request = {"fifo": str(fifo), "cwd": str(dump), "env": env, "args": args}
+        word, pid = server.ask("run", json.dumps(request))
+        assert word == "started"
+        self.server, self.pid = server, int(pid)
+        self.returncode: int | None = None
+        self.stdout = open(fifo)  # noqa: SIM115 (closed by communicate); the child opens it first
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        if self.returncode is not None:
+            return "", None
+        out = self.stdout.read()
+        self.stdout.close()
+        word, _, status = self.server.ask("wait", str(self.pid))
+        assert word == "exit"
+        self.returncode = os.waitstatus_to_exitcode(int(status))
+        return out, None
+
+
+SERVERS: list[Server] = []  # the one of the running test, where runs are forked
+
+
+@contextlib.contextmanager
+def launcher() -> Iterator[None]:
+    """Runs forked from a server that imported torchtitan, on a machine without a GPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    SERVERS.append(Server(child_env()))
+    try:
+        yield
+    finally:
+        SERVERS.pop().close()
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path])}
+
+
+def start(dump: Path, assets: Path, config: str, extra: tuple[str, ...] = ()) -> Any:
     dump.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path]),
-           "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+    env = {**child_env(), "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     args = ["--module", "titan_configs", "--config", config, "--training.steps", str(STEPS),
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
             "--checkpoint.enable", "--checkpoint.interval", str(EVERY), "--checkpoint.async_mode", "async",
             "--dump_folder", str(dump), *extra]
+    if SERVERS:
+        return Forked(SERVERS[-1], dump, env, args)
     return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env=env, cwd=dump)
 
@@ -135,6 +223,11 @@ def test_killed_torchtitan_runs_resume_bit_for_bit(tmp_path: Path) -> None:
 
 def kill_and_resume(tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
     """The test, with ``extra`` arguments for every run of torchtitan (tests/test_torchtitan_gpu.py)."""
+    with launcher():
+        runs_and_checks(tmp_path, extra)
+
+
+def runs_and_checks(tmp_path: Path, extra: tuple[str, ...]) -> None:
     assets = tmp_path / "assets"
     make_assets(assets)
     whole, default = run_whole(tmp_path, assets, ("cpu_stream", "cpu_debugmodel"), extra)
