@@ -5,6 +5,7 @@ overwritten."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -232,6 +233,45 @@ def test_a_run_killed_twice_in_a_row_keeps_its_last_checkpoint(tmp_path: Path,
         assert_same(snapshot(run), last)
         assert acc.save_state() == checkpoints / "checkpoint_3"
         assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_3"]
+
+
+def test_a_run_killed_in_its_first_save_loads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A save makes its folder before its file: a run killed in between, before any checkpoint
+    was written, leaves a checkpoint folder without one. load_state() then loads nothing (the run
+    starts over) and says so; a folder that holds a checkpoint file, even one of Accelerate's own
+    saver, is still refused."""
+    run = setup(tmp_path / "project", total_limit=2)
+    acc = run["acc"]
+    checkpoints = tmp_path / "project" / "checkpoints"
+    with StreamState(acc):
+        with pytest.raises(FileNotFoundError, match=r"checkpoints: no checkpoint folder to load"):
+            acc.load_state()  # no folder at all: nothing says a run saved, as with Accelerate
+        train(run, 1)
+        with monkeypatch.context() as patch:
+            patch.setattr("ckptstream.accelerate._stream.save", killed_save)
+            with pytest.raises(Killed):
+                acc.save_state()  # killed before checkpoint_0 published
+        assert os.listdir(checkpoints) == ["checkpoint_0"]
+        assert os.listdir(checkpoints / "checkpoint_0") == []
+        before = snapshot(run)
+        with caplog.at_level(logging.WARNING, logger="ckptstream"):
+            acc.load_state()
+        assert_same(snapshot(run), before)
+        said = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+        assert said == [("ckptstream.accelerate._stream", "WARNING",
+                         f"{checkpoints}: no checkpoint to load, the folders there (checkpoint_0) hold no checkpoint "
+                         "file, only what saves killed before publishing one left: the accelerator's state is left "
+                         "as it is")]
+        assert acc.save_state() == checkpoints / "checkpoint_0"  # the leftover written into
+        train(run, 1)
+        acc.load_state()
+        assert_same(snapshot(run), before)
+    assert acc.save_state() == checkpoints / "checkpoint_1"  # Accelerate's own saver, then a leftover
+    os.remove(state_file(checkpoints / "checkpoint_0", 0))
+    os.mkdir(checkpoints / "checkpoint_2")
+    with StreamState(acc), pytest.raises(AccelerateFolderError, match=r"checkpoint_1 was written by Accelerate"):
+        acc.load_state()
 
 
 def test_total_limit_1_keeps_the_last_checkpoint_until_the_next_is_written(tmp_path: Path,

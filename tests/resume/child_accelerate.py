@@ -1,19 +1,22 @@
 """A tiny GPT-like model trained with Accelerate, that tests/test_accelerate_resume.py kills and resumes.
 
-    child_accelerate.py DIR SAVER MODE
+    child_accelerate.py DIR SAVER MODE [HOLD]
     SAVER "stream" (``StreamState(accelerator, mode)``; MODE "sync" for mode=None) or "default"
     (Accelerate's own save_state). Trains STEPS steps on a shuffled dataloader (seedable sampler,
     set_epoch) with dropout, AdamW, a LambdaLR warmup and a registered progress counter, calling
     ``save_state()`` every SAVE_EVERY steps with automatic naming under DIR (total_limit=2). A
     process that finds a checkpoint resumes with ``load_state()`` and ``skip_first_batches``.
     Prints "resumed N" (or "fresh"), then "step N LOSS" per step (the loss as float.hex), and at
-    the end writes DIR/final.safetensors (the model's weights) and prints "done".
+    the end writes DIR/final.safetensors (the model's weights) and prints "done". HOLD "first_publish"
+    stops the first save just before the rename that publishes its file, prints "held" and waits
+    there to be killed: a moment too narrow to hit by timing.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -65,6 +68,20 @@ class Progress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
+
+
+def hold_first_publish() -> None:
+    """Stop the first publishing rename of a state file until the process is killed."""
+    replace = os.replace
+
+    def held(src: Any, dst: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fsdecode(dst)).startswith("ckptstream_state_"):
+            os.write(1, b"held\n")  # one write: the training thread prints whole lines around it
+            time.sleep(600)  # the test kills it long before
+            raise SystemExit("the held save was never killed")
+        replace(src, dst, **kwargs)
+
+    os.replace = held
 
 
 def main(directory: str, saver: str, mode: str) -> None:
@@ -120,4 +137,6 @@ def main(directory: str, saver: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[4:] == ["first_publish"]:
+        hold_first_publish()
     main(sys.argv[1], sys.argv[2], sys.argv[3])

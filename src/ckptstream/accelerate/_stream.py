@@ -11,6 +11,7 @@ are untouched), and the registered pre-hooks still run where Accelerate runs the
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -28,6 +29,8 @@ from .._storage import Storage, storage_for
 from . import _fsdp, _state
 
 __all__ = ["ACCELERATE_FILES", "AccelerateFolderError", "StreamState", "state_file"]
+
+log = logging.getLogger(__name__)
 
 # what Accelerate's own saver writes (accelerate.utils.constants), to name a folder of its format
 ACCELERATE_FILES = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|(optimizer|scheduler|sampler|"
@@ -233,13 +236,17 @@ class StreamState:
         """``Accelerator.load_state``, through ckptstream, once every background save has ended.
 
         ``input_dir`` None with automatic naming loads the newest folder that holds every
-        process's file (a folder a killed save left without its file is passed over).
+        process's file (a folder a killed save left without its file is passed over). Where no
+        folder there holds a checkpoint file, only what saves killed before publishing one left
+        (a background save makes its folder at once, its file later), nothing is loaded and a
+        warning is logged: a run killed during its first save starts over.
         ``load_model_func_kwargs`` go to each model's ``load_state_dict`` (``strict=False``).
         Everything is read and checked against the accelerator before any object is changed.
 
         Raises:
             AccelerateFolderError: the folder holds Accelerate's own files, not ckptstream's.
-            FileNotFoundError: no such folder, or no checkpoint file in it.
+            FileNotFoundError: no such folder, no checkpoint file in it, or (automatic naming)
+                no checkpoint folder; a folder holding some process's file but not every one's.
             StateMismatchError: the checkpoint does not fit the accelerator (another number of
                 models or registered objects, a model key or shape, an optimizer's param group),
                 naming the part and key; nothing is loaded.
@@ -248,6 +255,8 @@ class StreamState:
         acc = self.accelerator
         self.wait()
         folder = self._input_folder(input_dir)
+        if folder is None:
+            return
         models = list(acc._models)
         for hook in acc._load_model_state_pre_hook.values():
             hook(models, str(folder))
@@ -269,7 +278,8 @@ class StreamState:
             _refuse_folder(folder, path)
         return load(path, device=self.load_device, checksum=self.checksum, mmap=False)
 
-    def _input_folder(self, input_dir: str | os.PathLike[str] | None) -> Path:
+    def _input_folder(self, input_dir: str | os.PathLike[str] | None) -> Path | None:
+        """The folder to load; None where the checkpoint folders are only what killed saves left."""
         acc = self.accelerator
         if input_dir is not None:
             folder = Path(os.path.expanduser(os.fspath(input_dir)))
@@ -284,9 +294,20 @@ class StreamState:
         for candidate in reversed(folders):
             if _complete(candidate, acc.num_processes):
                 return Path(candidate)
-        if folders:
-            _refuse_folder(Path(folders[-1]), state_file(folders[-1], acc.process_index))
-        raise FileNotFoundError(f"{parent}: no checkpoint folder to load")
+        # a folder with some process's file but not every one's may be a file lost, not a save
+        # killed: refused, never taken for a run that has not saved yet
+        holding = [f for f in folders if _holds_checkpoint_files(f)]
+        if holding:
+            newest = holding[-1]
+            missing = next(state_file(newest, r) for r in range(acc.num_processes)
+                           if _store(newest).kind(str(state_file(newest, r))) != "file")
+            _refuse_folder(Path(newest), missing)
+        if not folders:
+            raise FileNotFoundError(f"{parent}: no checkpoint folder to load")
+        log.warning("%s: no checkpoint to load, the folders there (%s) hold no checkpoint file, only what saves "
+                    "killed before publishing one left: the accelerator's state is left as it is", parent,
+                    ", ".join(os.path.basename(f) for f in folders))
+        return None
 
     # --- waiting ------------------------------------------------------------------------------------
 
