@@ -156,18 +156,19 @@ def mem_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
 # --- S3, through the real ``rclone serve s3`` of tests/s3 (one server for the session) --------------
 
 
-class S3Place(Place):
-    """A fresh bucket; listings come in pages of two, so that every listing of more than two
-    names goes through the pagination."""
+class BucketPlace(Place):
+    """A fresh bucket (or container) of an object store under ``test/``, its bytes read and
+    written behind the storage's back through the tests' raw client (``get``, ``put``)."""
 
-    empty_folders, lock_refuses, begun_at = False, False, 5 * MiB
+    scheme: str
+    empty_folders, lock_refuses = False, False
 
-    def __init__(self, bucket: Any) -> None:
-        self.name, self.bucket = "s3", bucket
+    def __init__(self, name: str, bucket: Any) -> None:
+        self.name, self.bucket = name, bucket
         self.root, self.storage = bucket.url("test"), storage_for(bucket.url("test"))
 
     def _key(self, path: str) -> str:
-        return path.removeprefix(f"s3://{self.bucket.name}/")
+        return path.removeprefix(f"{self.scheme}://{self.bucket.name}/")
 
     def read_bytes(self, path: str) -> bytes:
         data: bytes = self.bucket.get(self._key(path))
@@ -175,6 +176,13 @@ class S3Place(Place):
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self.bucket.put(self._key(path), data)
+
+
+class S3Place(BucketPlace):
+    """A fresh bucket; listings come in pages of two, so that every listing of more than two
+    names goes through the pagination."""
+
+    scheme, begun_at = "s3", 5 * MiB
 
     def names(self) -> list[str]:
         keys = [k.removeprefix("test/") for k in self.bucket.keys("test/")]
@@ -231,32 +239,18 @@ def s3_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     request.addfinalizer(lambda: register("s3", None))  # the built-in S3 storage again
     bucket = Bucket(server, f"ckpt-{uuid.uuid4().hex[:16]}", raw)
     raw.create_bucket(Bucket=bucket.name)
-    return S3Place(bucket)
+    return S3Place("s3", bucket)
 
 
 # --- GCS, through the real gcp-storage-emulator of tests/gcs (one emulator for the session) -------------
 
 
-class GCSPlace(Place):
+class GCSPlace(BucketPlace):
     """A fresh bucket; an upload in flight is its parts, objects of their own under a hidden
     prefix (``.ckptstream-uploads/KEY/UPLOAD/NNNNN``: src/ckptstream/_storage/gcs.py). The
     emulator answers every listing in one page, whatever page size is asked for."""
 
-    empty_folders, lock_refuses, begun_at = False, False, 5 * MiB
-
-    def __init__(self, bucket: Any) -> None:
-        self.name, self.bucket = "gcs", bucket
-        self.root, self.storage = bucket.url("test"), storage_for(bucket.url("test"))
-
-    def _key(self, path: str) -> str:
-        return path.removeprefix(f"gs://{self.bucket.name}/")
-
-    def read_bytes(self, path: str) -> bytes:
-        data: bytes = self.bucket.get(self._key(path))
-        return data
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self.bucket.put(self._key(path), data)
+    scheme, begun_at = "gs", 5 * MiB
 
     def names(self) -> list[str]:
         from ckptstream._storage.gcs import HIDDEN
@@ -295,40 +289,26 @@ def gcs_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     request.getfixturevalue("monkeypatch").setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the upload journal
     register("gs", lambda: storage)
     request.addfinalizer(lambda: register("gs", None))
-    return GCSPlace(new_bucket(server, raw))
+    return GCSPlace("gcs", new_bucket(server, raw))
 
 
 # --- Azure Blob Storage, through the real Azurite of tests/azure (one server for the session) ---------------
 
 
-class AzurePlace(Place):
+class AzurePlace(BucketPlace):
     """A fresh container, listed in pages of two names; an upload in flight is its blob's
     uncommitted blocks, each id leading with the upload's (src/ckptstream/_storage/azure.py). A
     write begins an upload past the least block the adapter holds back (1 MiB)."""
 
-    empty_folders, lock_refuses, begun_at = False, False, 1 * MiB
-
-    def __init__(self, container: Any) -> None:
-        self.name, self.container = "azure", container
-        self.root, self.storage = container.url("test"), storage_for(container.url("test"))
-
-    def _key(self, path: str) -> str:
-        return path.removeprefix(f"az://{self.container.name}/")
-
-    def read_bytes(self, path: str) -> bytes:
-        data: bytes = self.container.get(self._key(path))
-        return data
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self.container.put(self._key(path), data)
+    scheme, begun_at = "az", 1 * MiB
 
     def names(self) -> list[str]:
         """The committed blobs, and an upload per upload id among each blob's uncommitted blocks
         (a blob with none committed is listed only when asked to include uncommitted ones)."""
-        listed = self.container.raw.list_blobs(name_starts_with="test/", include=["uncommittedblobs"])
+        listed = self.bucket.raw.list_blobs(name_starts_with="test/", include=["uncommittedblobs"])
         uploads = {(b.name, base64.b64decode(block).decode().rpartition("-")[0])
-                   for b in listed for block in self.container.uncommitted(b.name)}
-        return sorted([k.removeprefix("test/") for k in self.container.keys("test/")]
+                   for b in listed for block in self.bucket.uncommitted(b.name)}
+        return sorted([k.removeprefix("test/") for k in self.bucket.keys("test/")]
                       + [f"pending:{key.removeprefix('test/')}" for key, _ in uploads])
 
     def leave_dead_writer(self, path: str) -> None:
@@ -338,8 +318,8 @@ class AzurePlace(Place):
         from ckptstream._storage.azure import block_id
 
         key, upload_id = self._key(path), uuid.uuid4().hex[:20]
-        self.container.raw.get_blob_client(key).stage_block(block_id(upload_id, 2), b"x")
-        note_dead_writer(self.container.server.endpoint, self.container.name, key, upload_id)
+        self.bucket.raw.get_blob_client(key).stage_block(block_id(upload_id, 2), b"x")
+        note_dead_writer(self.bucket.server.endpoint, self.bucket.name, key, upload_id)
 
 
 def azure_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
@@ -361,7 +341,7 @@ def azure_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     register("az", lambda: storage)
     request.addfinalizer(lambda: register("az", None))
     name = f"ckpt-{uuid.uuid4().hex[:16]}"
-    return AzurePlace(Container(server, name, raw.create_container(name)))
+    return AzurePlace("azure", Container(server, name, raw.create_container(name)))
 
 
 # --- the table --------------------------------------------------------------------------------------
