@@ -28,10 +28,6 @@ _LIBRARY = re.compile(r"(/\S*/libcudart\.so[.\d]*)\s*$")
 Copier = Callable[[int, int, int], None]  # (device address, host address, bytes)
 
 
-class CopyError(RuntimeError):
-    """cudaMemcpyAsync refused a copy (an invalid address or stream: a bug, not bad input)."""
-
-
 @functools.lru_cache(maxsize=1)
 def runtime() -> ctypes.CDLL | None:
     """The CUDA runtime library this process has loaded, or None."""
@@ -65,7 +61,8 @@ def copier(stream_handle: int) -> Copier | None:
 
     def copy(dst: int, src: int, nbytes: int) -> None:
         status = memcpy(dst, src, nbytes, H2D, stream)
-        if status:
+        if status:  # a device in an error state, or a bad address (a bug): as torch reports CUDA errors
             name = lib.cudaGetErrorString(status).decode(errors="replace")
-            raise CopyError(f"cudaMemcpyAsync of {nbytes} bytes to device address {dst:#x} failed: {name} ({status})")
+            raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes to device address {dst:#x} failed: "
+                               f"{name} ({status})")
     return copy
