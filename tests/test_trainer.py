@@ -1,11 +1,17 @@
 """StreamTrainer in this process: what its checkpoint folders hold, the order of its waits
 (before rotation, resume and the end of train()), the errors of a failed background save, and
 the refusals of folders a user hands it (the Trainer's own, one missing a file, an optimizer
-whose param groups changed): typed errors naming the file and key, nothing overwritten."""
+whose param groups changed): typed errors naming the file and key, nothing overwritten; the
+folders a killed save leaves, passed over by resume_from_checkpoint=True (which starts over
+where there is no other)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 import ckptstream
 from ckptstream.errors import IncompleteCheckpointError, StateMismatchError, TrainerFolderError
@@ -161,6 +168,114 @@ def test_a_folder_missing_a_file_is_refused_by_name_and_passed_over(tmp_path: Pa
     trainer = tiny_trainer(tmp_path / "run", steps=6, save_every=2)
     trainer.train(resume_from_checkpoint=True)  # the newest complete folder: checkpoint-2
     assert trainer.state.global_step == 6
+
+
+class Steps(TrainerCallback):
+    """The steps a run trains."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps.append(state.global_step)
+
+
+def weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {key: tensor.clone() for key, tensor in trainer.model.state_dict().items()}
+
+
+def assert_same(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert list(mine) == list(theirs)
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+def leave_as_killed_before_publishing(folder: Path) -> None:
+    """Make ``folder`` what a save killed just before its publishing rename leaves: its state file
+    back under the temp name it was written as, the temp of a writer that is gone."""
+    target = state_file(folder, 0)
+    script = "import sys; from ckptstream._storage.publish import temp_path_for; print(temp_path_for(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    temp = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+    os.rename(target, temp)
+
+
+def ckptstream_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("ckptstream") and r.levelno >= logging.WARNING]
+
+
+def test_a_newer_folder_a_killed_save_left_is_passed_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Killed just before checkpoint-6 published: the Trainer's own pick (the newest folder) is
+    that one; resume_from_checkpoint=True resumes from checkpoint-4 instead, runs steps 5 and 6
+    again, and ends where the uninterrupted run ended, checkpoint-6 written anew."""
+    run = tmp_path / "run"
+    whole = tiny_trainer(run, steps=6, save_every=2)
+    whole.train()
+    reference, saved = weights(whole), ckptstream.load(state_file(run / "checkpoint-6", 0))
+    leave_as_killed_before_publishing(run / "checkpoint-6")
+    [temp] = [name for name in os.listdir(run / "checkpoint-6") if name.startswith(".")]
+    assert temp.startswith(".ckptstream_state_0.safetensors.ckptstream-tmp-")
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-6")
+    steps = Steps()
+    trainer = tiny_trainer(run, steps=6, save_every=2, callbacks=[steps])
+    with caplog.at_level(logging.WARNING, logger="ckptstream"):
+        trainer.train(resume_from_checkpoint=True)
+    assert steps.steps == [5, 6]
+    assert ckptstream_warnings(caplog) == []
+    assert_same(weights(trainer), reference)
+    assert sorted(os.listdir(run / "checkpoint-6")) == ["ckptstream_state_0.safetensors", "config.json",
+                                                       "trainer_state.json"]  # the dead writer's temp removed
+    assert_same(ckptstream.load(state_file(run / "checkpoint-6", 0))["model"], saved["model"])
+
+
+def test_a_run_killed_in_its_first_save_starts_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Killed just before its first save published: no folder holds a state file, and
+    resume_from_checkpoint=True starts over with a warning, to the uninterrupted run's weights."""
+    run = tmp_path / "run"
+    whole = tiny_trainer(run, steps=4, save_every=2)
+    whole.train()
+    reference = weights(whole)
+    (run / "checkpoint-4").rename(tmp_path / "checkpoint-4")  # a run killed in the save of checkpoint-2
+    leave_as_killed_before_publishing(run / "checkpoint-2")
+    steps = Steps()
+    trainer = tiny_trainer(run, steps=4, save_every=2, callbacks=[steps])
+    with caplog.at_level(logging.WARNING, logger="ckptstream"):
+        trainer.train(resume_from_checkpoint=True)
+    assert steps.steps == [1, 2, 3, 4]
+    assert ckptstream_warnings(caplog) == [
+        f"{run}: no checkpoint to resume from, the folders there (checkpoint-2) hold no ckptstream state file, only "
+        "what saves killed before publishing one left: training starts over from step 0"]
+    assert_same(weights(trainer), reference)
+    assert sorted(f.name for f in run.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert state_file(run / "checkpoint-2", 0).is_file()
+
+
+def test_a_kills_leftover_beside_other_folders_is_no_fresh_start(tmp_path: Path) -> None:
+    """A newer leftover does not hide a folder of the Trainer's own saver (refused, or with
+    load_default_checkpoints resumed from), nor a folder that lost a file (refused by name)."""
+    run = tmp_path / "run"
+    tiny_trainer(run, steps=2, save_every=2, cls=Trainer).train()
+    (run / "checkpoint-4").mkdir()
+    (run / "checkpoint-4" / "trainer_state.json").write_text("{}")  # what a save killed before publishing left
+    before = digests(run)
+    with pytest.raises(TrainerFolderError, match=r"checkpoint-2 was written by the Trainer's own saver"):
+        tiny_trainer(run, steps=4, save_every=2).train(resume_from_checkpoint=True)
+    assert digests(run) == before
+    steps = Steps()
+    tiny_trainer(run, steps=4, save_every=2, load_default_checkpoints=True, callbacks=[steps]).train(
+        resume_from_checkpoint=True)
+    assert steps.steps == [3, 4]  # from checkpoint-2, through the Trainer's own loader
+    other = tmp_path / "other"
+    tiny_trainer(other, steps=2, save_every=2).train()
+    (other / "checkpoint-2" / "trainer_state.json").unlink()  # a file lost: not what a kill leaves
+    (other / "checkpoint-4").mkdir()
+    with pytest.raises(IncompleteCheckpointError, match=r"checkpoint-2: the checkpoint is incomplete, "
+                       r"trainer_state\.json missing, and no checkpoint-<step> folder of .*other is complete .*"
+                       r"remove .*other/checkpoint-2 to start over"):
+        tiny_trainer(other, steps=4, save_every=2).train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory"):
+        tiny_trainer(tmp_path / "none", steps=2, save_every=2).train(resume_from_checkpoint=True)
 
 
 def test_an_optimizer_whose_param_groups_changed_is_refused_by_key(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ trained 24 steps by ``StreamTrainer``, a checkpoint every 3 steps written in the
 ("device" mode), the run SIGKILLed at 5 steps drawn from a seeded generator (after a background
 save began, while it may still write), resumed with ``trainer.train(resume_from_checkpoint=True)``:
 every step's loss and the final weights are bit-equal to an uninterrupted run's, and the losses to
-a run of the Trainer's own saver. The kill points are reached by reading the run's output: no timing."""
+a run of the Trainer's own saver. The kill points are reached by reading the run's output: no timing.
+A run killed where its first save holds just before publishing (too narrow a moment to hit by
+timing) is followed by one that, resumed the same way, starts over."""
 
 from __future__ import annotations
 
@@ -56,6 +58,44 @@ def lowest_resume(killed_at: int, mode: str) -> int:
     before that step, or in the background the one before it (one save runs at a time)."""
     last = ((killed_at - 1) // SAVE_EVERY) * SAVE_EVERY
     return max(0, last - SAVE_EVERY if mode != "sync" else last)
+
+
+def test_a_run_killed_in_its_first_save_starts_over(tmp_path: Path, runs: Runs) -> None:
+    """Killed before its first save published (its folder made, its state file not yet there):
+    the next run finds a checkpoint folder, as the Trainer's get_last_checkpoint looks for one,
+    and train(resume_from_checkpoint=True) starts over, step for step as an uninterrupted run."""
+    whole = losses(runs.whole(tmp_path / "whole", "stream", "device"))
+    directory = tmp_path / "killed"
+    pid, out = runs.start(directory, "stream", "device", "first_publish")
+    with out:
+        lines = []
+        for line in out:
+            if line == "held\n":
+                os.kill(pid, signal.SIGKILL)
+                break
+            lines.append(line)
+        assert runs.finish(pid) == -signal.SIGKILL, (lines[-3:], runs.stderr())
+    assert lines[0] == "fresh\n"
+    killed = losses(lines)
+    assert sorted(killed)[:SAVE_EVERY] == [1, 2, 3]
+    assert killed == {s: whole[s] for s in killed}
+    left = directory / "checkpoint-3"
+    assert [f.name for f in directory.iterdir()] == [left.name]
+    temp, *rest = sorted(os.listdir(left))  # the kill's leftover: the state file's temp, not the file
+    assert temp.startswith(f".{state_file(left, 0).name}.ckptstream-tmp-")
+    assert rest == ["config.json", "trainer_state.json"]
+    lines = runs.whole(directory, "stream", "device")
+    assert lines[0] == "resumed 0"
+    assert f"{directory}: no checkpoint to resume from, the folders there (checkpoint-3) hold no ckptstream state " \
+           "file" in runs.stderr()
+    assert losses(lines) == whole
+    mine, theirs = ckptstream.load(directory / "final.safetensors"), ckptstream.load(tmp_path / "whole" /
+                                                                                      "final.safetensors")
+    assert list(mine) == list(theirs)
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+    folders = sorted(directory.glob("checkpoint-*"), key=lambda f: int(f.name.split("-")[1]))
+    assert [f.name for f in folders] == ["checkpoint-21", "checkpoint-24"]  # the leftover rotated away
 
 
 def test_killed_trainer_runs_resume_bit_for_bit(tmp_path: Path, runs: Runs) -> None:

@@ -15,7 +15,8 @@ CHILD = Path(__file__).parent / "resume" / "child_trainer.py"
 
 class Runs:
     """The server; ``start`` forks a run and gives its pid and its output lines, ``finish`` waits
-    for it and gives its status (as ``Popen.returncode``)."""
+    for it and gives its status (as ``Popen.returncode``). ``hold`` "first_publish" stops the
+    run's first save before it publishes (the child's HOLD)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.count = folder, 0
@@ -25,13 +26,13 @@ class Runs:
         self.server = subprocess.Popen([sys.executable, str(CHILD), "serve"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=self.errors, text=True, env=env)
 
-    def start(self, directory: Path, saver: str, mode: str) -> tuple[int, IO[str]]:
+    def start(self, directory: Path, saver: str, mode: str, *hold: str) -> tuple[int, IO[str]]:
         assert self.server.stdin is not None
         assert self.server.stdout is not None
         self.count += 1
         fifo = self.folder / f"run-{self.count}.fifo"
         os.mkfifo(fifo)
-        self.server.stdin.write(f"{directory} {saver} {mode} {fifo}\n")
+        self.server.stdin.write(" ".join([str(directory), saver, mode, str(fifo), *hold]) + "\n")
         self.server.stdin.flush()
         answer = self.server.stdout.readline().split()
         assert answer[:1] == ["pid"], (answer, self.stderr())

@@ -1,19 +1,23 @@
 """A tiny GPT-2 trained by the Hugging Face Trainer, that tests/test_trainer_resume.py kills and resumes.
 
-    child_trainer.py DIR SAVER MODE
+    child_trainer.py DIR SAVER MODE [HOLD]
     SAVER "stream" (``StreamTrainer(..., checkpoint_mode=MODE)``; MODE "sync" for None) or
     "default" (``transformers.Trainer`` and its own saver). Trains STEPS steps (a shuffled
     dataset of 64 sequences, batches of 8, dropout, AdamW, a linear warmup and decay), a
     checkpoint every SAVE_EVERY steps in DIR (save_total_limit=2). A process that finds a
-    checkpoint resumes with ``trainer.train(resume_from_checkpoint=True)``. Prints "resumed N"
-    (or "fresh"), then "step N LOSS" per step (the loss as float.hex), and at the end writes
-    DIR/final.safetensors (the model's weights) and prints "done".
+    ``checkpoint-*`` folder in DIR (the Trainer's ``get_last_checkpoint``) resumes, as a Trainer
+    user's script does, with ``trainer.train(resume_from_checkpoint=True)``: the Trainer picks the
+    folder. Prints, as training begins, "resumed N" (N the step it resumed from, 0 where it started
+    over) or "fresh", then "step N LOSS" per step (the loss as float.hex), and at the end writes
+    DIR/final.safetensors (the model's weights) and prints "done". HOLD "first_publish" stops the
+    first save just before the rename that publishes its state file, prints "held" and waits
+    there to be killed: a moment too narrow to hit by timing.
 
     child_trainer.py serve
-    Imports transformers once, then for each line "DIR SAVER MODE FIFO" read from stdin forks a
-    run as above whose output goes to the named pipe FIFO, prints "pid N", and once it ends
-    "exit N STATUS" (STATUS as Popen.returncode: -9 for SIGKILL): a run starts in milliseconds
-    instead of the seconds an import of transformers takes.
+    Imports transformers once, then for each line "DIR SAVER MODE FIFO [HOLD]" read from stdin
+    forks a run as above whose output goes to the named pipe FIFO, prints "pid N", and once it
+    ends "exit N STATUS" (STATUS as Popen.returncode: -9 for SIGKILL): a run starts in
+    milliseconds instead of the seconds an import of transformers takes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -45,10 +50,15 @@ class Sequences(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 class PrintLosses(TrainerCallback):
-    """Each step's loss, exactly (the Trainer's own log rounds it), printed as the step ends."""
+    """Where training begins ("resumed N" or "fresh"), then each step's loss, exactly (the
+    Trainer's own log rounds it), printed as the step ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, resuming: bool) -> None:
         self.loss: float | None = None
+        self.resuming = resuming
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        print(f"resumed {state.global_step}" if self.resuming else "fresh", flush=True)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         print(f"step {state.global_step} {float(self.loss).hex()}", flush=True)  # type: ignore[arg-type]
@@ -70,7 +80,23 @@ def trainer_class(saver: str) -> Any:
     return Recording
 
 
-def main(directory: str, saver: str, mode: str) -> None:
+def hold_first_publish() -> None:
+    """Stop the first publishing rename of a state file until the process is killed."""
+    replace = os.replace
+
+    def held(src: Any, dst: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fsdecode(dst)).startswith("ckptstream_state_"):
+            os.write(1, b"held\n")  # one write: the training thread prints whole lines around it
+            time.sleep(600)  # the test kills it long before
+            raise SystemExit("the held save was never killed")
+        replace(src, dst, **kwargs)
+
+    os.replace = held
+
+
+def main(directory: str, saver: str, mode: str, hold: list[str]) -> None:
+    if hold == ["first_publish"]:
+        hold_first_publish()
     args = TrainingArguments(output_dir=directory, max_steps=STEPS, save_steps=SAVE_EVERY, save_total_limit=2,
                              per_device_train_batch_size=BATCH, learning_rate=3e-3, warmup_steps=6, weight_decay=0.1,
                              logging_steps=1000, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
@@ -78,18 +104,12 @@ def main(directory: str, saver: str, mode: str) -> None:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
-    printer = PrintLosses()
+    resuming = os.path.isdir(directory) and get_last_checkpoint(directory) is not None
+    printer = PrintLosses(resuming)
     extra: dict[str, Any] = {} if saver == "default" else {"checkpoint_mode": None if mode == "sync" else mode}
     trainer = trainer_class(saver)(model=model, args=args, train_dataset=Sequences(), callbacks=[printer], **extra)
     trainer.printer = printer
-    if saver == "stream":
-        from ckptstream.transformers import newest_complete
-
-        found = newest_complete(directory, 1) if os.path.isdir(directory) else None
-    else:
-        found = get_last_checkpoint(directory) if os.path.isdir(directory) else None
-    print(f"resumed {found.rsplit('-', 1)[1]}" if found else "fresh", flush=True)
-    trainer.train(resume_from_checkpoint=True if found else None)
+    trainer.train(resume_from_checkpoint=True if resuming else None)
     ckptstream.save(model.state_dict(), os.path.join(directory, "final.safetensors"))
     print("done", flush=True)
 
@@ -98,7 +118,7 @@ def serve() -> None:
     import ckptstream.transformers  # noqa: F401 - imported once, before the forks
 
     for line in sys.stdin:
-        directory, saver, mode, fifo = line.split()
+        directory, saver, mode, fifo, *hold = line.split()
         pid = os.fork()
         if pid == 0:
             code = 0
@@ -106,7 +126,7 @@ def serve() -> None:
                 out = open(fifo, "w", buffering=1)  # noqa: SIM115 - the process ends with os._exit
                 os.dup2(out.fileno(), 1)
                 sys.stdout = out
-                main(directory, saver, mode)
+                main(directory, saver, mode, hold)
                 out.flush()
             except BaseException:
                 traceback.print_exc()
@@ -123,4 +143,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve()
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3])
+        main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])

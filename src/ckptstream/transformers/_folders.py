@@ -5,6 +5,8 @@ A folder is complete when it holds ``trainer_state.json`` and every process's
 ``ckptstream_state_<rank>.safetensors``. The state file is published last (atomically, by
 ``save``/``save_async``), so a folder a killed save left behind has no state file and is passed
 over, where the Trainer's own ``get_last_checkpoint`` would take the newest folder whatever it holds.
+A run killed during its first save leaves only such folders: none holds a state file, and a resume
+starts over.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from pathlib import Path
 from .._errors import IncompleteCheckpointError, TrainerFolderError
 from .._storage import storage_for
 
-__all__ = ["TRAINER_FILES", "TRAINER_STATE", "check_folder", "checkpoint_folders", "names", "newest_complete",
-           "state_file"]
+__all__ = ["TRAINER_FILES", "TRAINER_STATE", "check_folder", "checkpoint_folders", "folder_to_resume", "names",
+           "newest_complete", "state_file"]
 
 TRAINER_STATE = "trainer_state.json"
 _FOLDER = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's PREFIX_CHECKPOINT_DIR and its number
@@ -76,10 +78,41 @@ def newest_complete(run_dir: str, world_size: int) -> str | None:
     """The newest complete checkpoint folder of ``run_dir``; None where it holds none. A run whose
     newest folder is of the Trainer's own saver raises ``TrainerFolderError`` (resuming from an
     older ckptstream folder would silently drop steps)."""
+    return _newest(checkpoint_folders(run_dir), world_size, take_default=False)
+
+
+def folder_to_resume(run_dir: str, world_size: int, take_default: bool = False) -> str | None:
+    """The folder ``resume_from_checkpoint=True`` resumes from: the newest complete one of
+    ``run_dir`` (or with ``take_default`` a newer one of the Trainer's own saver), passing over
+    folders a killed save left incomplete. None where no folder holds a state file, only what
+    saves killed before publishing one left: the run has no checkpoint yet.
+
+    Raises:
+        TrainerFolderError: a folder of the Trainer's own saver newer than any complete one.
+        IncompleteCheckpointError: no complete folder, and the newest holding a state file lacks
+            a file (a file lost is not a run that never saved).
+    """
     folders = checkpoint_folders(run_dir)
+    found = _newest(folders, world_size, take_default)
+    if found is None:
+        holding = [f for f in folders if any(n.startswith("ckptstream_state_") for n in names(f))]
+        if holding:
+            folder = holding[-1]
+            raise IncompleteCheckpointError(
+                f"{folder}: the checkpoint is incomplete, {', '.join(_missing(folder, world_size))} missing, and no "
+                f"checkpoint-<step> folder of {run_dir} is complete (a file removed, or with several processes a save "
+                f"killed after some of them published their files): restore the file, or remove {folder} to start "
+                "over")
+    return found
+
+
+def _newest(folders: list[str], world_size: int, take_default: bool) -> str | None:
     for folder in reversed(folders):
         if not _missing(folder, world_size):
             return folder
-        if any(TRAINER_FILES.match(name) for name in names(folder)):
+        found = names(folder)
+        if any(TRAINER_FILES.match(name) for name in found):
+            if take_default and state_file(folder, 0).name not in found:
+                return folder
             check_folder(folder, world_size)  # raises TrainerFolderError
     return None

@@ -7,12 +7,14 @@ callback is asked on resume; the Trainer saves through its own ``torch.save`` ca
 own seams are its methods: ``_save_checkpoint`` and the loaders ``train`` calls on resume
 (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
 ``_load_rng_state``). The mixin overrides those, and ``train`` to wait for the background saves
-and to pick the newest complete folder for ``resume_from_checkpoint=True``.
+and to pick the folder of ``resume_from_checkpoint=True`` (the Trainer's own pick,
+``get_last_checkpoint``, is the newest folder whatever it holds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any
 
@@ -32,6 +34,8 @@ from ._folders import TRAINER_STATE, state_file
 
 __all__ = ["StreamCheckpointsMixin", "StreamTrainer"]
 
+log = logging.getLogger(__name__)
+
 _UNSUPPORTED = ("is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp_xla_enabled")
 
 
@@ -46,7 +50,9 @@ class StreamCheckpointsMixin:
     holds ``model`` (``model.state_dict()``), ``optimizer``, ``scheduler``, ``scaler``, every
     process's ``rng`` (Python's, numpy's, torch's and the device's generators). ``save_total_limit``
     rotates the folders as the Trainer does, once the newer saves are durable.
-    ``train(resume_from_checkpoint=True)`` resumes from the newest complete folder.
+    ``train(resume_from_checkpoint=True)`` resumes from the newest complete folder, and starts
+    over (logging a warning) where the folders hold no state file yet, only what a run killed
+    during its first save left.
 
     Keyword args (besides the Trainer's own):
         checkpoint_mode: "device" (the default), "lazy" or "host" save in the background
@@ -90,8 +96,9 @@ class StreamCheckpointsMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; resuming waits for the background saves first and, for ``True``,
-        takes the newest complete checkpoint folder. ``train`` returns once every save it started
-        is durable, and raises a background save's error (a failed save is never lost)."""
+        takes the newest complete checkpoint folder, or starts over with a warning where no folder
+        holds a state file yet (a run killed during its first save). ``train`` returns once every
+        save it started is durable, and raises a background save's error (a failed save is never lost)."""
         trainer = self._trainer
         self.wait_for_checkpoint()
         if resume_from_checkpoint is True:
@@ -111,18 +118,23 @@ class StreamCheckpointsMixin:
         self.wait_for_checkpoint()
         return output
 
-    def _newest_folder(self) -> str | bool:
+    def _newest_folder(self) -> str | bool | None:
         """What ``resume_from_checkpoint=True`` resumes from: the newest complete folder (or with
-        ``load_default_checkpoints`` the newest, where the Trainer's own saver wrote it); True
-        where there is no folder at all, for the Trainer's own "no valid checkpoint" error."""
+        ``load_default_checkpoints`` a newer one of the Trainer's own saver); None (a fresh start)
+        where the folders hold only what saves killed before publishing left; True where there is
+        no folder at all, for the Trainer's own "no valid checkpoint" error."""
         args = self._trainer.args
         folders = _folders.checkpoint_folders(args.output_dir)
-        if folders and self._is_default_folder(folders[-1]):
-            return folders[-1]
-        found = _folders.newest_complete(args.output_dir, args.world_size)
-        if found is None and folders:
-            _folders.check_folder(folders[-1], args.world_size)  # raises, naming what the newest one misses
-        return True if found is None else found
+        if not folders:
+            return True
+        found = _folders.folder_to_resume(args.output_dir, args.world_size, take_default=self.load_default_checkpoints)
+        if found is None:
+            # a background save makes its folder at once and publishes its state file last: a run
+            # killed during its first save has no checkpoint, and resuming means starting over
+            log.warning("%s: no checkpoint to resume from, the folders there (%s) hold no ckptstream state file, only "
+                        "what saves killed before publishing one left: training starts over from step 0",
+                        args.output_dir, ", ".join(os.path.basename(f) for f in folders))
+        return found
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the background save in flight, if any (raising its error), then rotate the
