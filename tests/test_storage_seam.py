@@ -5,7 +5,8 @@ or stat files or descriptors, and on imports of the local implementation's modul
 
 Told apart from storage: anonymous host memory (``mmap.mmap(-1, ...)``: the staging buffers and
 a load's host allocations map no file, and the first argument says so), ``os.devnull`` (the CLI
-silences its own output), and ``open`` where a module binds that name itself (``ckptstream.open``,
+silences its own output), the process's own ``/proc/self/`` files (the engine finds the CUDA
+runtime among its mapped libraries), and ``open`` where a module binds that name itself (``ckptstream.open``,
 the reader). Not walked: the storage wing, and the benchmark (``bench/``), which measures the
 disk's raw ceilings and the peers' libraries with calls of their own and uses only the public
 API of the package.
@@ -104,6 +105,8 @@ class Finder(ast.NodeVisitor):
         first = node.args[0] if node.args else None
         if first is not None and self.dotted(first) == "os.devnull":
             pass  # not storage: the process's own output silenced
+        elif isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("/proc/self/"):
+            pass  # not storage: what the kernel says of this process
         elif name in FILE_CALLS or (name is not None and name.split(".")[0] in FILE_MODULES):
             self.found.append(f"line {node.lineno}: {name}()")
         elif isinstance(node.func, ast.Attribute) and node.func.attr == "mmap" and not _anonymous(first):
@@ -166,6 +169,8 @@ PLANTED = {
     "def open(p): pass\nopen(p)": False,
     "from ._storage import storage_for\nstorage_for(p).open(p)": False,
     "os.path.join(a, b)": False,
+    "with open('/proc/self/maps') as f: pass": False,
+    "with open('/proc/mounts') as f: pass": True,
 }
 
 
