@@ -14,7 +14,7 @@ import ckptstream
 from ckptstream._storage import gcs as gcs_storage
 from ckptstream._storage import storage_for
 from ckptstream._storage.objclient import call, parse
-from tests.gcs.gcsutil import Bucket, MiB, gcs, gcs_server  # noqa: F401
+from tests.gcs.gcsutil import Bucket, MiB, gcs, gcs_server, new_bucket  # noqa: F401
 from tests.s3.s3util import write_like_the_engine
 
 STORE = storage_for("gs://any")
@@ -204,6 +204,18 @@ def test_errors_name_the_url(gcs: Bucket) -> None:
         STORE.open(gcs.url("absent"))
     with pytest.raises(ValueError, match="names no bucket"):
         STORE.open("gs:///k")
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB])  # one upload at publishing; parts as the grid's cells fill
+def test_a_bucket_removed_under_a_writer_is_named(gcs: Bucket, size: int) -> None:
+    """An upload's bare 404 (the emulator's, for a bucket removed after the sink was made) says
+    that the bucket is missing, not an object."""
+    other = new_bucket(gcs.server, gcs.raw)
+    sink = STORE.create(other.url("k"))
+    gcs.raw.bucket(other.name).delete()
+    missing = f"'{other.name}' does not exist.*gs://{other.name}/k"
+    with pytest.raises(ckptstream.BucketNotFoundError, match=missing), sink:
+        write_like_the_engine(sink, random_data(size), 4096, 5 * MiB)  # (published at the block's end)
 
 
 def test_a_replaced_object_fails_the_read(gcs: Bucket) -> None:

@@ -17,20 +17,16 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
-import http.client
-import threading
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .objclient import Answer, Head, ObjectUrl, Page, Upload
+from . import azureclient
+from .objclient import Answer, Head, MiB, ObjectUrl, Page, Upload, ViewBody, body_reader, failed_deletions, total_of
 from .objstore import ObjectStorage
-from .s3 import ViewBody  # a memoryview as a file, sent (and rewound to retry) without a copy
 
 __all__ = ["AzureClient", "AzureStorage", "reset_clients"]
 
-MiB = 1 << 20
 MIN_PART = 1 * MiB  # Azure has no least block size: this keeps the held-back head small
 MAX_PART = 4000 * MiB  # a block's most (service version 2019-12-12 and later)
 MAX_PARTS = 50_000  # committed blocks per blob
@@ -49,11 +45,9 @@ class AzureClient:
     min_part, max_part, max_parts = MIN_PART, MAX_PART, MAX_PARTS
     page = 5000  # blobs per List Blobs page (Azure's most)
     delete_batch = 256  # sub-requests per blob batch (Azure's limit)
-    bucket_hint = "AZURE_STORAGE_CONNECTION_STRING"
+    words = azureclient.WORDS
 
     def __init__(self, make: Callable[[], Any]) -> None:
-        from . import azureclient
-
         self._service, self._missing, self.endpoint = None, None, ""
         try:
             self._service = make()
@@ -96,9 +90,9 @@ class AzureClient:
         except HttpResponseError as e:
             process_storage_error(e)  # the public API's typed error, with its error code
         headers = stream.response.headers
-        whole = headers.get("Content-Range", "").rpartition("/")[2]
-        readinto, done = _reader(stream.response.internal_response)
-        return Answer(int(headers["Content-Length"]), int(whole) if whole.isdigit() else None,
+        response = stream.response.internal_response  # requests', streamed
+        readinto, done = body_reader(response.raw, response.close)
+        return Answer(int(headers["Content-Length"]), total_of(headers.get("Content-Range")),
                       headers.get("ETag") or None, readinto, done)
 
     def get_whole(self, url: ObjectUrl) -> tuple[int, Callable[[], bytes], Callable[[], None]]:
@@ -130,12 +124,7 @@ class AzureClient:
     def delete_many(self, url: ObjectUrl, keys: Sequence[str]) -> list[tuple[str, str, str]]:
         container = self.service.get_container_client(url.bucket)
         answers = container.delete_blobs(*keys, delete_snapshots="include", raise_on_any_failure=False)
-        failed = []
-        for key, answer in zip(keys, answers, strict=True):
-            if answer.status_code >= 300 and answer.status_code != 404:
-                failed.append((key, str(answer.headers.get("x-ms-error-code", answer.status_code)),
-                               str(answer.reason)))
-        return failed
+        return failed_deletions(keys, answers, lambda a: str(a.headers.get("x-ms-error-code", a.status_code)))
 
     def create_upload(self, url: ObjectUrl) -> str:
         return uuid.uuid4().hex[:20]  # no request: Azure has no upload object, only blocks
@@ -162,9 +151,6 @@ class AzureClient:
         return upload.started
 
 
-_storages: weakref.WeakSet[AzureStorage] = weakref.WeakSet()
-
-
 class AzureStorage(ObjectStorage):
     """``scheme://container/key`` URLs (``az`` unless told) of the account Azure's variables
     name, or the one ``options`` give (``connection_string=``, or ``account_url=`` and
@@ -173,47 +159,12 @@ class AzureStorage(ObjectStorage):
     def __init__(self, scheme: str = "az", **options: Any) -> None:
         import azure.storage.blob  # noqa: F401  (made at the first az:// URL: without it, that URL says what to install)
 
-        self.scheme, self._options = scheme.lower(), options
-        self._lock = threading.Lock()
-        self._clients: dict[float, AzureClient] = {}
-        _storages.add(self)
+        super().__init__(scheme, options)
 
-    def client(self) -> AzureClient:
-        """This storage's client for the ``s3_timeout`` in force, its sockets' timeout (made once,
-        under a lock; azure-storage-blob's clients are thread-safe)."""
-        from . import azureclient, s3deadline
-
-        timeout = s3deadline.limits().timeout
-        with self._lock:
-            if timeout not in self._clients:
-                self._clients[timeout] = AzureClient(lambda: azureclient.make_client(timeout, self._options))
-            return self._clients[timeout]
-
-    def reset_client(self) -> None:
-        """Forget the clients: the next request makes one from the configuration as it is then."""
-        with self._lock:
-            self._clients.clear()
+    def make_client(self, timeout: float) -> AzureClient:
+        return AzureClient(lambda: azureclient.make_client(timeout, self._options))
 
 
 def reset_clients() -> None:
     """Every Azure storage's ``reset_client`` (Azure's variables changed)."""
-    for storage in list(_storages):
-        storage.reset_client()
-
-
-def _reader(response: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
-    """How to read a GET's body (a ``requests`` response, streamed) straight into a buffer, and
-    how to let it go: http.client's readinto fills the buffer in place where urllib3's response
-    wraps one, urllib3's own (a copy) otherwise."""
-    raw = response.raw
-    fp = getattr(raw, "_fp", None)
-
-    def done(whole: bool) -> None:
-        if whole and (not isinstance(fp, http.client.HTTPResponse) or fp.isclosed()):
-            raw.release_conn()  # read to its end: the connection serves the next request
-        else:
-            response.close()
-
-    if isinstance(fp, http.client.HTTPResponse) and not raw.headers.get("content-encoding"):
-        return fp.readinto, done
-    return raw.readinto, done
+    AzureStorage.reset_all()

@@ -15,17 +15,9 @@ import http.client
 import os
 from typing import Any
 
-from .._errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    ConnectionLostError,
-    NoCredentialsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ThrottledError,
-)
+from .._errors import NoCredentialsError
 from . import s3deadline
-from .objclient import ObjectUrl
+from .objclient import Failure, ObjectUrl, Words, answer_error, lost_error
 
 DEFAULT_ATTEMPTS = 6  # as S3's: throttling and lost connections retried with a capped backoff
 POOL_CONNECTIONS = 64  # above the I/O threads of any transfer: a request never waits for a socket
@@ -46,9 +38,9 @@ def make_client(timeout: float, given: dict[str, Any]) -> Any:
 
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_connections=POOL_CONNECTIONS, pool_maxsize=POOL_CONNECTIONS)
-    adapter.poolmanager.pool_classes_by_scheme = _watched_pools()  # the pools are made later, of these
     session.mount("http://", adapter)
     session.mount("https://", adapter)
+    s3deadline.watch_session(session)
     options: dict[str, Any] = dict(
         transport=RequestsTransport(session=session, session_owner=True),
         connection_timeout=timeout, read_timeout=timeout,
@@ -76,40 +68,12 @@ def make_client(timeout: float, given: dict[str, Any]) -> Any:
     raise MissingAccount(f"no Azure account configured: set {VARIABLES}")
 
 
-def _watched_pools() -> dict[str, Any]:
-    """urllib3's connection pools, with connections that tell the deadlines' watchdog which
-    operation they carry (``s3deadline.watch``), so that it can shut one down past its deadline."""
-    from urllib3.connection import HTTPConnection, HTTPSConnection
-    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-
-    class Watched:  # before the connection class: its connect and request call watch first
-        def connect(self) -> None:
-            s3deadline.watch(self)
-            super().connect()  # type: ignore[misc]
-
-        def request(self, *args: Any, **kwargs: Any) -> Any:
-            s3deadline.watch(self)
-            return super().request(*args, **kwargs)  # type: ignore[misc]
-
-    class Connection(Watched, HTTPConnection):
-        pass
-
-    class TLSConnection(Watched, HTTPSConnection):
-        pass
-
-    class Pool(HTTPConnectionPool):
-        ConnectionCls = Connection
-
-    class PoolTLS(HTTPSConnectionPool):
-        ConnectionCls = TLSConnection
-
-    return {"http": Pool, "https": PoolTLS}
-
-
 _DENIED = {"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
            "InsufficientAccountPermissions", "AccountIsDisabled", "403"}
 _THROTTLED = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "EgressOverAccountLimit",
               "TooManyRequests", "429", "503"}
+WORDS = Words("AZURE_STORAGE_CONNECTION_STRING", "the endpoint in AZURE_STORAGE_CONNECTION_STRING", "container", "blob",
+              "the account key and its")
 
 
 def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
@@ -125,26 +89,15 @@ def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
         status = e.status_code
         code = getattr(e, "error_code", None)
         code = "412" if status == 412 else str(getattr(code, "value", code) or status)
-        text = str(e.reason or code)
-        container = url.bucket if isinstance(url, ObjectUrl) else name
-        if code == "ContainerNotFound":
-            return BucketNotFoundError(name, f"the container {container!r} does not exist ({what}); create it first, "
-                                       "or check the URL and AZURE_STORAGE_CONNECTION_STRING", code)
-        if status == 404:
-            return ObjectNotFoundError(name, f"no such blob ({what})", code)
-        if code in _DENIED or status == 403:
-            return AccessDeniedError(name, f"access denied ({what}: {code}: {text}); check the account key and its "
-                                     f"permissions on the container {container!r}", code)
-        if code in _THROTTLED or status in (429, 503):
-            return ThrottledError(name, f"the store throttled {what} ({code}: {text}) through {DEFAULT_ATTEMPTS} "
-                                  "attempts; retry later", code)
-        return ObjectStoreError(name, f"{what} failed ({code}: {text})", code)
+        failure: Failure = ("bucket" if code == "ContainerNotFound" else "object" if status == 404
+                            else "denied" if code in _DENIED or status == 403
+                            else "throttled" if code in _THROTTLED or status in (429, 503) else "other")
+        return answer_error(url, what, failure, code, str(e.reason or code), WORDS, f"{DEFAULT_ATTEMPTS} attempts")
     import requests
     import urllib3
 
     if isinstance(e, ax.ServiceRequestError | ax.ServiceResponseError | ax.IncompleteReadError |
                   requests.RequestException | urllib3.exceptions.HTTPError | http.client.HTTPException |
                   ConnectionError | TimeoutError):  # the last ones: a body read in place
-        return ConnectionLostError(name, f"the connection to the store failed during {what} after every retry "
-                                   f"({e}); check the endpoint in AZURE_STORAGE_CONNECTION_STRING and the network")
+        return lost_error(url, what, e, WORDS)
     return e

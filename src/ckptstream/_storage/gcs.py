@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import http.client
-import threading
 import time
 import urllib.parse
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _checksum
 from .._errors import ObjectStoreError
 from . import gcsclient, s3deadline
-from .objclient import Answer, Head, ObjectUrl, Page, Upload
+from .objclient import Answer, Head, MiB, ObjectUrl, Page, Upload, body_reader, crc_b64, failed_deletions, total_of
 from .objstore import ObjectStorage
 
 HIDDEN = ".ckptstream-uploads/"  # where the parts of uploads in flight lie
 COMPOSE_MAX = 32  # sources per compose request (GCS's limit)
-MiB = 1 << 20
 
 
 class GCSClient:
@@ -41,7 +37,7 @@ class GCSClient:
     page = 1000  # objects per listing page (GCS's most)
     delete_batch = 100  # deletions per batch request (GCS's limit)
     attempts = 6
-    bucket_hint = "STORAGE_EMULATOR_HOST"
+    words = gcsclient.WORDS
     error = staticmethod(gcsclient.error)
 
     def __init__(self, gcs: Any, timeout: float) -> None:
@@ -49,7 +45,7 @@ class GCSClient:
 
         self.gcs, self.timeout, self.endpoint = gcs, timeout, str(gcs.api_endpoint)
         # the library's retries, none begun past the operation's deadline
-        self.retry = DEFAULT_RETRY.with_predicate(lambda e: _should_retry(e) and not _passed())
+        self.retry = DEFAULT_RETRY.with_predicate(lambda e: _should_retry(e) and not s3deadline.passed())
 
     def head(self, url: ObjectUrl) -> Head:
         blob = self._bucket(url).get_blob(url.key, timeout=self.timeout, retry=self.retry)
@@ -66,19 +62,9 @@ class GCSClient:
         params = {"alt": "media", **({"ifGenerationMatch": etag} if etag else {})}
         response = self._send("GET", self._media(url), params=params, stream=True,
                               headers={"Range": f"bytes={lo}-{hi - 1}", "Accept-Encoding": "identity"})
-        whole = response.headers.get("Content-Range", "").rpartition("/")[2]
-        raw = response.raw
-        fp: Any = getattr(raw, "_fp", None)
-        in_place = isinstance(fp, http.client.HTTPResponse)  # http.client's readinto fills the buffer itself
-
-        def done(read_all: bool) -> None:
-            if read_all and in_place and fp.isclosed():
-                raw.release_conn()  # read to its Content-Length: the connection serves the next request
-            else:
-                response.close()
-
-        return Answer(int(response.headers.get("Content-Length", 0)), int(whole) if whole.isdigit() else None,
-                      response.headers.get("x-goog-generation"), fp.readinto if in_place else raw.readinto, done)
+        readinto, done = body_reader(response.raw, response.close)
+        return Answer(int(response.headers.get("Content-Length", 0)), total_of(response.headers.get("Content-Range")),
+                      response.headers.get("x-goog-generation"), readinto, done)
 
     def get_whole(self, url: ObjectUrl) -> tuple[int, Callable[[], bytes], Callable[[], None]]:
         response = self._send("GET", self._media(url), params={"alt": "media"}, stream=True,
@@ -89,18 +75,13 @@ class GCSClient:
         self._upload(url, url.key, data, crc)
 
     def list_page(self, url: ObjectUrl, prefix: str, *, delimiter: bool, limit: int, token: Any) -> Page:
-        from google.api_core.exceptions import NotFound
-
         keys: list[str] = []
         prefixes: list[str] = []
         while True:  # pages that held only the hidden prefix are passed over
             blobs = self.gcs.list_blobs(url.bucket, prefix=prefix or None, delimiter="/" if delimiter else None,
                                         page_size=limit, page_token=token, timeout=self.timeout, retry=self.retry)
-            try:
-                page = next(blobs.pages)
-                keys += [b.name for b in page if not b.name.startswith(HIDDEN)]
-            except NotFound as e:  # a listing's 404: the bucket is missing
-                raise gcsclient.no_bucket(url, "listing") from e
+            page = next(blobs.pages)  # (a listing's bare 404 is a missing bucket: call's missing_is_bucket)
+            keys += [b.name for b in page if not b.name.startswith(HIDDEN)]
             prefixes += [p for p in page.prefixes if not p.startswith(HIDDEN)]
             token = blobs.next_page_token
             if keys or prefixes or not token or not HIDDEN.startswith(prefix):
@@ -120,9 +101,7 @@ class GCSClient:
         with batch:
             for key in keys:
                 bucket.delete_blob(key, timeout=self.timeout)
-        answers = getattr(batch, "_responses", ())  # the library keeps each deletion's answer there
-        return [(k, str(a.status_code), str(a.reason)) for k, a in zip(keys, answers, strict=False)
-                if a.status_code >= 300 and a.status_code != 404]
+        return failed_deletions(keys, getattr(batch, "_responses", ()))  # the library keeps each answer there
 
     def create_upload(self, url: ObjectUrl) -> str:
         import secrets
@@ -154,16 +133,16 @@ class GCSClient:
         crc, size = 0, 0
         for _, part_crc, part_size in sources:
             crc, size = _checksum.combine(crc, part_crc, part_size), size + part_size
-        dest.crc32c = gcsclient.b64(crc)  # checked by a store that checks it (the emulator does)
+        dest.crc32c = crc_b64(crc)  # checked by a store that checks it (the emulator does)
         dest.content_type = "application/octet-stream"
         dest.compose([s for s, _, _ in sources], timeout=self.timeout + size / s3deadline.limits().min_rate,
                      retry=self.retry)
-        if dest.crc32c != gcsclient.b64(crc):
+        if dest.crc32c != crc_b64(crc):
             if final:
                 with contextlib.suppress(Exception):
                     dest.delete(timeout=self.timeout)
             raise ObjectStoreError(f"gs://{dest.bucket.name}/{dest.name}", f"the composed object's CRC-32C is "
-                                   f"{dest.crc32c}, its parts' {gcsclient.b64(crc)}: the store corrupted it")
+                                   f"{dest.crc32c}, its parts' {crc_b64(crc)}: the store corrupted it")
         return dest, crc, size
 
     def abort_upload(self, url: ObjectUrl, upload_id: str) -> None:
@@ -195,7 +174,7 @@ class GCSClient:
         new object's generation. A part is one request (X-Goog-Hash); anything else a resumable
         upload, whose first request carries the CRC-32C, checked before the object appears (the
         emulator checks it there, not in X-Goog-Hash). Either answer's CRC-32C is checked too."""
-        expected, base = gcsclient.b64(crc), f"{self.endpoint}/upload/storage/v1/b/{_quote(url.bucket)}/o"
+        expected, base = crc_b64(crc), f"{self.endpoint}/upload/storage/v1/b/{_quote(url.bucket)}/o"
         octets = {"Content-Type": "application/octet-stream"}
 
         def attempt() -> Any:
@@ -205,12 +184,8 @@ class GCSClient:
             start = self._send("POST", base, params={"uploadType": "resumable"}, json={"name": key, "crc32c": expected},
                                headers={"X-Upload-Content-Type": octets["Content-Type"]}, retry=False)
             return self._send("PUT", start.headers["Location"], data=data, headers=octets, retry=False)
-        from google.api_core.exceptions import NotFound
 
-        try:
-            answer = self.retry(attempt)().json()  # an object is written whole, again if need be
-        except NotFound as e:  # an upload's 404: the bucket is missing
-            raise gcsclient.no_bucket(url, "uploading") from e
+        answer = self.retry(attempt)().json()  # an object is written whole, again if need be
         if answer.get("crc32c") != expected:  # (a part's object is hidden: the upload's abort removes it)
             raise ObjectStoreError(f"gs://{url.bucket}/{key}", f"the store holds CRC-32C {answer.get('crc32c')} "
                                    f"for bytes sent with {expected}: they changed on the way")
@@ -237,17 +212,6 @@ def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def _passed() -> bool:
-    try:
-        s3deadline.refuse_past_deadline()
-        return False
-    except Exception:
-        return True
-
-
-_storages: weakref.WeakSet[GCSStorage] = weakref.WeakSet()
-
-
 class GCSStorage(ObjectStorage):
     """``gs://bucket/key`` URLs on the endpoint and with the credentials Google's client finds
     (or those ``options``, ``google.cloud.storage.Client``'s keyword arguments, give)."""
@@ -255,30 +219,15 @@ class GCSStorage(ObjectStorage):
     def __init__(self, scheme: str = "gs", **options: Any) -> None:
         import google.cloud.storage  # noqa: F401  (made at the first gs:// URL: without it, that URL says what to install)
 
-        self.scheme, self._options = scheme.lower(), options
-        self._lock = threading.Lock()
-        self._clients: dict[float, GCSClient] = {}
-        self._gcs: Any = None
-        _storages.add(self)
+        super().__init__(scheme, options)
 
-    def client(self) -> GCSClient:
-        """This storage's client for the ``s3_timeout`` in force (one library client for all of
-        them: its requests take their timeout each)."""
-        timeout = s3deadline.limits().timeout
-        with self._lock:
-            if self._gcs is None:
-                self._gcs = gcsclient.make_client(self._options)
-            if timeout not in self._clients:
-                self._clients[timeout] = GCSClient(self._gcs, timeout)
-            return self._clients[timeout]
-
-    def reset_client(self) -> None:
-        """Forget the client: the next request makes one from the configuration as it is then."""
-        with self._lock:
-            self._clients.clear()
-            self._gcs = None
+    def make_client(self, timeout: float) -> GCSClient:
+        """A client over this storage's one library client (made with its first: its requests
+        take their timeout each), forgotten with them by ``reset_client``."""
+        made = next(iter(self._clients.values()), None)
+        return GCSClient(made.gcs if isinstance(made, GCSClient) else gcsclient.make_client(self._options), timeout)
 
 
 def reset_clients() -> None:
-    for storage in list(_storages):
-        storage.reset_client()
+    """Every GCS storage's ``reset_client`` (Google's configuration changed)."""
+    GCSStorage.reset_all()

@@ -7,26 +7,14 @@ ranged GET read in place); its failures turned into typed errors that name the U
 
 from __future__ import annotations
 
-import base64
 import http.client
 from typing import Any
 
-from .._errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    ConnectionLostError,
-    NoCredentialsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ThrottledError,
-)
+from .._errors import NoCredentialsError
 from . import s3deadline
-from .objclient import ObjectUrl
+from .objclient import Failure, ObjectUrl, Words, answer_error, lost_error
 
-
-def b64(crc: int) -> str:
-    """A CRC-32C as GCS's ``crc32c`` field spells it."""
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+WORDS = Words("STORAGE_EMULATOR_HOST", "STORAGE_EMULATOR_HOST (if set)")
 
 
 def make_client(options: dict[str, Any]) -> Any:
@@ -35,42 +23,8 @@ def make_client(options: dict[str, Any]) -> Any:
     from google.cloud import storage
 
     client = storage.Client(**options)
-    # the connection classes go where urllib3 keeps them (requests has no public way)
-    for adapter in client._http.adapters.values():
-        manager = getattr(adapter, "poolmanager", None)
-        if manager is not None:
-            manager.pool_classes_by_scheme = _pool_classes()
+    s3deadline.watch_session(client._http)
     return client
-
-
-def _pool_classes() -> dict[str, Any]:
-    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-
-    def watched(base: Any) -> Any:
-        class Watched(base):  # type: ignore[misc]
-            def connect(self) -> None:
-                s3deadline.watch(self)
-                super().connect()
-
-            def request(self, *args: Any, **kwargs: Any) -> Any:
-                s3deadline.watch(self)
-                return super().request(*args, **kwargs)
-
-        return Watched
-
-    class Pool(HTTPConnectionPool):
-        ConnectionCls = watched(HTTPConnectionPool.ConnectionCls)
-
-    class PoolTLS(HTTPSConnectionPool):
-        ConnectionCls = watched(HTTPSConnectionPool.ConnectionCls)
-
-    return {"http": Pool, "https": PoolTLS}
-
-
-def no_bucket(url: ObjectUrl | str, what: str) -> BucketNotFoundError:
-    bucket = url.bucket if isinstance(url, ObjectUrl) else str(url)
-    return BucketNotFoundError(str(url), f"the bucket {bucket!r} does not exist ({what}); create it first, or check "
-                               "the URL and STORAGE_EMULATOR_HOST", "NoSuchBucket")
 
 
 _DENIED = {401, 403}
@@ -84,27 +38,18 @@ def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
     from google.api_core import exceptions as gx
     from google.auth import exceptions as ax
 
-    name = str(url)
-    bucket = url.bucket if isinstance(url, ObjectUrl) else name
     if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
-        return NoCredentialsError(name, f"no credentials for {what} ({e}); run gcloud auth application-default "
+        return NoCredentialsError(str(url), f"no credentials for {what} ({e}); run gcloud auth application-default "
                                   "login, or set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file")
     if isinstance(e, gx.NotFound) and "bucket does not exist" in str(e.message).lower():  # GCS's words
-        return no_bucket(url, what)
+        return answer_error(url, what, "bucket", "NoSuchBucket", "", WORDS)
     if isinstance(e, gx.GoogleAPICallError):
-        code, text = int(e.code or 0), e.message
-        if code == 404:
-            return ObjectNotFoundError(name, f"no such object ({what})", "404")
-        if code in _DENIED:
-            return AccessDeniedError(name, f"access denied ({what}: {code}: {text}); check the credentials and "
-                                     f"their permissions on the bucket {bucket!r}", str(code))
-        if code in _THROTTLED:
-            return ThrottledError(name, f"the store throttled {what} ({code}: {text}) through its retries; "
-                                  "retry later", str(code))
-        return ObjectStoreError(name, f"{what} failed ({code}: {text})", str(code))
+        code = int(e.code or 0)
+        failure: Failure = ("object" if code == 404 else "denied" if code in _DENIED
+                            else "throttled" if code in _THROTTLED else "other")
+        return answer_error(url, what, failure, str(code), e.message, WORDS)
     if isinstance(e, requests.RequestException | http.client.HTTPException | ConnectionError | TimeoutError):
-        return ConnectionLostError(name, f"the connection to the store failed during {what} after every retry "
-                                   f"({e}); check STORAGE_EMULATOR_HOST (if set) and the network")
+        return lost_error(url, what, e, WORDS)
     return e
 
 

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Sequence
 
 from .._errors import (
-    BucketNotFoundError,
     ConnectionLostError,
     ObjectNotFoundError,
     ObjectReplacedError,
@@ -179,10 +178,6 @@ def head_of(client: ObjectClient, url: ObjectUrl, what: str) -> Head:
         head: Head = call(client, url, what, client.head, url)
         return head
     except ObjectNotFoundError:
-        try:
-            call(client, url, "looking at the bucket", client.check_bucket, url)
-        except ObjectNotFoundError as e:
-            raise BucketNotFoundError(str(url), f"the bucket {url.bucket!r} does not exist; create it first, or "
-                                      f"check the URL and {client.bucket_hint}", "NoSuchBucket") from e
+        call(client, url, "looking at the bucket", client.check_bucket, url, missing_is_bucket=True)
         raise
 

@@ -3,8 +3,9 @@
 Folders are key prefixes ending in "/": making one is a no-op, and one exists while an object
 lies under it. Objects are written as multipart uploads (``objupload``) and read with ranged
 GETs (``objsource``). Every failed request raises a typed error naming the URL (the client's
-``error``), and every request ends within its deadline (``s3deadline``). An adapter (``s3``)
-gives the scheme and a client per storage: several endpoints work in one process.
+``error``), and every request ends within its deadline (``s3deadline``). An adapter (``s3``,
+``gcs``, ``azure``) gives the scheme and makes the clients (``make_client``) of each storage's
+options: several endpoints work in one process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import abc
 import contextlib
 import datetime
 import errno
+import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 from .._errors import ObjectNotFoundError, ObjectStoreError
 from . import s3deadline, s3journal
@@ -28,15 +32,46 @@ from .s3record import WriterRecord
 STALE_AFTER = datetime.timedelta(hours=24)
 
 
-class ObjectStorage(Storage):
-    """``scheme://bucket/key`` URLs of one store (an endpoint and its credentials)."""
+_storages: weakref.WeakSet[ObjectStorage] = weakref.WeakSet()
 
-    scheme: str
+
+class ObjectStorage(Storage):
+    """``scheme://bucket/key`` URLs of one store (an endpoint and its credentials), reached with
+    clients an adapter makes of its ``options`` (``make_client``): one per ``s3_timeout`` in
+    force, its sockets' timeout, so that two storages reach two endpoints in one process."""
+
+    def __init__(self, scheme: str, options: dict[str, Any]) -> None:
+        self.scheme, self._options = scheme.lower(), options
+        self._lock = threading.Lock()
+        self._clients: dict[float, ObjectClient] = {}
+        _storages.add(self)
 
     @abc.abstractmethod
+    def make_client(self, timeout: float) -> ObjectClient:
+        """A client of this storage's configuration whose sockets time out after ``timeout``
+        seconds (called under the storage's lock)."""
+
     def client(self) -> ObjectClient:
         """The client for the settings in force in this thread (their s3_timeout), bound to this
-        storage's endpoint; sources and sinks keep the one they were made with."""
+        storage's endpoint; sources and sinks keep the one they were made with. Each is made once,
+        under a lock (the libraries' clients are thread-safe, their sessions not all)."""
+        timeout = s3deadline.limits().timeout
+        with self._lock:
+            if timeout not in self._clients:
+                self._clients[timeout] = self.make_client(timeout)
+            return self._clients[timeout]
+
+    def reset_client(self) -> None:
+        """Forget the clients: the next request makes one from the configuration as it is then."""
+        with self._lock:
+            self._clients.clear()
+
+    @classmethod
+    def reset_all(cls) -> None:
+        """Every storage of this class's ``reset_client`` (the store's configuration changed)."""
+        for storage in list(_storages):
+            if isinstance(storage, cls):
+                storage.reset_client()
 
     def open(self, path: str) -> ObjectSource:
         url = self._object(path)
@@ -228,7 +263,7 @@ class ObjectStorage(Storage):
         token = None
         while True:
             page: Page = call(client, url, what, lambda t=token: client.list_page(
-                url, prefix, delimiter=delimiter, limit=page_size or client.page, token=t))
+                url, prefix, delimiter=delimiter, limit=page_size or client.page, token=t), missing_is_bucket=True)
             yield page
             token = page.token
             if token is None or page_size:

@@ -135,7 +135,7 @@ class MultipartSink(Sink):
         crc = _checksum.crc_of(data)
         etag: str = call(self._client, self.url, f"uploading part {number} (bytes {offset}..{offset + len(data)})",
                          self._client.upload_part, self.url, upload_id, number, data, crc, nbytes=len(data),
-                         limits=self._limits)
+                         limits=self._limits, missing_is_bucket=True)
         with self._lock:
             self._parts[number] = (offset, len(data), etag, crc)
 
@@ -183,7 +183,7 @@ class MultipartSink(Sink):
         """An object within its head: one PUT."""
         data = memoryview(self._head)[: self._end]
         call(self._client, self.url, f"writing the object ({len(data)} bytes)", self._client.put, self.url, data,
-             _checksum.crc_of(data), nbytes=len(data), limits=self._limits)
+             _checksum.crc_of(data), nbytes=len(data), limits=self._limits, missing_is_bucket=True)
 
     def _complete(self, upload_id: str) -> None:
         head = memoryview(self._head)[: min(self._end, self._head_end)]

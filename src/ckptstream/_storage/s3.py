@@ -7,23 +7,18 @@ from the standard AWS configuration and its own options: two storages reach two 
 
 from __future__ import annotations
 
-import base64
 import datetime
-import http.client
-import io
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .objclient import Answer, Head, ObjectUrl, Page, Upload
+from . import s3client
+from .objclient import Answer, Head, MiB, ObjectUrl, Page, Upload, ViewBody, body_reader, crc_b64, total_of
 from .objsource import FIRST, ObjectSource
 from .objstore import STALE_AFTER, ObjectStorage
 
 __all__ = ["FIRST", "STALE_AFTER", "S3Client", "S3Source", "S3Storage", "reset_clients"]
 S3Source = ObjectSource
 
-MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part but the last
 MAX_PART = 5 << 30
 MAX_PARTS = 10_000
@@ -33,45 +28,7 @@ def crc32c_b64(data: memoryview | bytes) -> str:
     """A CRC-32C of ``data`` as S3's x-amz-checksum-crc32c header spells it."""
     from .. import _checksum
 
-    return _b64(_checksum.crc_of(data))
-
-
-def _b64(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-class ViewBody(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: botocore sends it (and rewinds it to retry)
-    without copying the bytes."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int | None = -1) -> Any:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = self._view[self._pos : end]
-        self._pos = end
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        memoryview(b).cast("B")[: len(data)] = data
-        return len(data)
+    return crc_b64(_checksum.crc_of(data))
 
 
 class S3Client:
@@ -81,11 +38,9 @@ class S3Client:
     min_part, max_part, max_parts = MIN_PART, MAX_PART, MAX_PARTS
     page = 1000  # keys per ListObjectsV2 page and uploads per ListMultipartUploads page (S3's most)
     delete_batch = 1000  # keys per DeleteObjects request (S3's limit)
-    bucket_hint = "AWS_ENDPOINT_URL"
+    words = s3client.WORDS
 
     def __init__(self, boto: Any) -> None:
-        from . import s3client
-
         self.boto, self.endpoint = boto, str(boto.meta.endpoint_url)
         self.attempts = s3client.DEFAULT_ATTEMPTS
         self.error = s3client.error
@@ -102,9 +57,8 @@ class S3Client:
         if etag is not None:
             kwargs["IfMatch"] = etag
         response = self.boto.get_object(**kwargs)
-        whole = response.get("ContentRange", "").rpartition("/")[2]
         readinto, done = _reader(response["Body"])
-        return Answer(int(response["ContentLength"]), int(whole) if whole.isdigit() else None,
+        return Answer(int(response["ContentLength"]), total_of(response.get("ContentRange")),
                       response.get("ETag") or None, readinto, done)
 
     def get_whole(self, url: ObjectUrl) -> tuple[int, Callable[[], bytes], Callable[[], None]]:
@@ -114,7 +68,7 @@ class S3Client:
 
     def put(self, url: ObjectUrl, data: memoryview, crc: int) -> None:
         self.boto.put_object(Bucket=url.bucket, Key=url.key, Body=ViewBody(data), ContentLength=len(data),
-                             ChecksumCRC32C=_b64(crc))
+                             ChecksumCRC32C=crc_b64(crc))
 
     def list_page(self, url: ObjectUrl, prefix: str, *, delimiter: bool, limit: int, token: Any) -> Page:
         page = self.boto.list_objects_v2(Bucket=url.bucket, Prefix=prefix, MaxKeys=limit,
@@ -140,11 +94,11 @@ class S3Client:
     def upload_part(self, url: ObjectUrl, upload_id: str, number: int, data: memoryview, crc: int) -> str:
         etag: str = self.boto.upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload_id, PartNumber=number,
                                           Body=ViewBody(data), ContentLength=len(data),
-                                          ChecksumCRC32C=_b64(crc))["ETag"]
+                                          ChecksumCRC32C=crc_b64(crc))["ETag"]
         return etag
 
     def complete_upload(self, url: ObjectUrl, upload_id: str, parts: list[tuple[int, str, int]]) -> None:
-        listed = [{"PartNumber": n, "ETag": etag, "ChecksumCRC32C": _b64(crc)} for n, etag, crc in parts]
+        listed = [{"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc_b64(crc)} for n, etag, crc in parts]
         self.boto.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
                                             MultipartUpload={"Parts": listed})
 
@@ -168,9 +122,6 @@ class S3Client:
         return last
 
 
-_storages: weakref.WeakSet[S3Storage] = weakref.WeakSet()
-
-
 class S3Storage(ObjectStorage):
     """``scheme://bucket/key`` URLs (``s3`` unless told) on the endpoint the standard AWS
     configuration names, or the one ``options`` (``boto3.client``'s keyword arguments:
@@ -179,48 +130,20 @@ class S3Storage(ObjectStorage):
     def __init__(self, scheme: str = "s3", **options: Any) -> None:
         import boto3  # noqa: F401  (made at the first s3:// URL: without boto3, that URL says what to install)
 
-        self.scheme, self._options = scheme.lower(), options
-        self._lock = threading.Lock()
-        self._clients: dict[float, S3Client] = {}
-        _storages.add(self)
+        super().__init__(scheme, options)
 
-    def client(self) -> S3Client:
-        """This storage's client for the ``s3_timeout`` in force, its sockets' timeout (botocore
-        clients are thread-safe; sessions are not: one is made here, under a lock)."""
-        from . import s3client, s3deadline
-
-        timeout = s3deadline.limits().timeout
-        with self._lock:
-            if timeout not in self._clients:
-                self._clients[timeout] = S3Client(s3client.make_client(timeout, self._options))
-            return self._clients[timeout]
-
-    def reset_client(self) -> None:
-        """Forget the clients: the next request makes one from the configuration as it is then."""
-        with self._lock:
-            self._clients.clear()
+    def make_client(self, timeout: float) -> S3Client:
+        """A client of its own boto3 session (botocore clients are thread-safe; sessions are not)."""
+        return S3Client(s3client.make_client(timeout, self._options))
 
 
 def reset_clients() -> None:
     """Every S3 storage's ``reset_client`` (the AWS configuration changed)."""
-    for storage in list(_storages):
-        storage.reset_client()
+    S3Storage.reset_all()
 
 
 def _reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[bool], None]]:
-    """How to read a GET's body straight into a buffer, and how to let it go (given whether it
-    was read to its end). http.client's own readinto fills the buffer in place; botocore's
-    (through urllib3) reads a bytes object and copies it: the former where the layers under
-    botocore are the ones known, the latter otherwise."""
-    raw: Any = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if isinstance(fp, http.client.HTTPResponse) and callable(getattr(raw, "release_conn", None)):
-
-        def done(whole: bool) -> None:
-            if whole and fp.isclosed():  # read to its Content-Length: the connection serves the next request
-                raw.release_conn()
-            else:
-                body.close()
-
-        return fp.readinto, done
-    return body.readinto, lambda whole: body.close()
+    """How to read a GET's body (botocore's, over urllib3's response) straight into a buffer,
+    and how to let it go: in place where the layers under botocore are the ones known, else
+    through botocore's own readinto (``objclient.body_reader``)."""
+    return body_reader(getattr(body, "_raw_stream", None), body.close, body.readinto)

@@ -14,17 +14,9 @@ import http.client
 import os
 from typing import Any
 
-from .._errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    ConnectionLostError,
-    NoCredentialsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ThrottledError,
-)
+from .._errors import NoCredentialsError
 from . import s3deadline
-from .objclient import ObjectUrl
+from .objclient import Failure, ObjectUrl, Words, answer_error, lost_error
 
 # attempts per request where the configuration sets none: throttling and lost connections are
 # retried with botocore's capped exponential backoff (standard mode), so a bounded wait
@@ -92,6 +84,7 @@ _DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureD
            "InvalidToken", "ExpiredToken", "InvalidSecurity", "AccountProblem"}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
               "RequestThrottled", "503", "ServiceUnavailable", "429"}
+WORDS = Words("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", more=", or raise AWS_MAX_ATTEMPTS")
 
 
 def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
@@ -99,31 +92,19 @@ def error(e: Exception, url: ObjectUrl | str, what: str) -> Exception:
     exceptions are returned as they are."""
     from botocore import exceptions as bx
 
-    name = str(url)
     if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
-        return NoCredentialsError(name, f"no credentials for {what} ({e}); set AWS_ACCESS_KEY_ID and "
+        return NoCredentialsError(str(url), f"no credentials for {what} ({e}); set AWS_ACCESS_KEY_ID and "
                                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials")
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
         code = str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
         text = err.get("Message") or code
         attempts = e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
-        bucket = url.bucket if isinstance(url, ObjectUrl) else name
-        if code == "NoSuchBucket":
-            return BucketNotFoundError(name, f"the bucket {bucket!r} does not exist ({what}); create it first, or "
-                                       "check the URL and AWS_ENDPOINT_URL", code)
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return ObjectNotFoundError(name, f"no such object ({what})", code)
-        if code in _DENIED:
-            return AccessDeniedError(name, f"access denied ({what}: {code}: {text}); check the credentials and "
-                                     f"their permissions on the bucket {bucket!r}", code)
-        if code in _THROTTLED:
-            return ThrottledError(name, f"the store throttled {what} ({code}: {text}) through {attempts + 1} "
-                                  "attempts; retry later, or raise AWS_MAX_ATTEMPTS", code)
-        return ObjectStoreError(name, f"{what} failed ({code}: {text})", code)
+        failure: Failure = ("bucket" if code == "NoSuchBucket" else "object" if code in ("NoSuchKey", "404", "NotFound")
+                            else "denied" if code in _DENIED else "throttled" if code in _THROTTLED else "other")
+        return answer_error(url, what, failure, code, text, WORDS, f"{attempts + 1} attempts")
     if isinstance(e, bx.EndpointConnectionError | bx.ConnectionClosedError | bx.ReadTimeoutError |
                   bx.ConnectTimeoutError | bx.ResponseStreamingError | bx.HTTPClientError |
                   http.client.HTTPException | ConnectionError | TimeoutError):  # the last: a body read in place
-        return ConnectionLostError(name, f"the connection to the store failed during {what} after every retry "
-                                   f"({e}); check AWS_ENDPOINT_URL and the network")
+        return lost_error(url, what, e, WORDS)
     return e

@@ -6,7 +6,8 @@ botocore's socket timeouts bound one read of a socket, not a request (a drip nev
 and its retries multiply them. So a watchdog thread shuts down the socket of an operation past
 its deadline (the read or write blocked on it returns at once), no retry starts after it, and
 the operation raises ``DeadlineExceededError`` naming the URL, the operation and the deadline.
-The client's connections are of a class that tells the watchdog which operation uses them.
+The clients' connections are of a class that tells the watchdog which operation uses them
+(``watched_pools``: botocore's pools, or urllib3's under a ``requests`` session).
 
     with Deadline(url, "uploading part 3", len(data), limits):
         client.upload_part(...)
@@ -128,16 +129,22 @@ def watch(conn: Any) -> None:
         deadline.connections.append(conn)
 
 
+def passed() -> bool:
+    """Whether an operation of this thread is past its deadline (a retry predicate's question)."""
+    return any(d.passed() for d in _active())
+
+
 def refuse_past_deadline(**kwargs: Any) -> None:
-    """botocore's ``before-send``: no attempt starts past its operation's deadline."""
-    if any(d.passed() for d in _active()):
+    """botocore's ``before-send`` (and any client's hook before each attempt): no attempt starts
+    past its operation's deadline."""
+    if passed():
         raise _Passed("the operation's deadline has passed")
 
 
 def no_retry_past_deadline(**kwargs: Any) -> bool | None:
     """botocore's ``needs-retry`` (first in line): no retry past the deadline (False); else the
     retry policy decides (None)."""
-    return False if any(d.passed() for d in _active()) else None
+    return False if passed() else None
 
 
 class _Watchdog:
@@ -194,15 +201,10 @@ def _forget_watchdog() -> None:
 os.register_at_fork(after_in_child=_forget_watchdog)
 
 
-def pool_classes() -> dict[str, Any]:
-    """botocore's connection pools, with connections that call ``watch`` before they connect
-    and before each request."""
-    from botocore.awsrequest import (
-        AWSHTTPConnection,
-        AWSHTTPConnectionPool,
-        AWSHTTPSConnection,
-        AWSHTTPSConnectionPool,
-    )
+def watched_pools(plain: Any, tls: Any) -> dict[str, Any]:
+    """Subclasses of the pool classes ``plain`` and ``tls`` (urllib3's, or a library's own) whose
+    connections, of each pool's own connection class, call ``watch`` before they connect and
+    before each request."""
 
     class Watched:  # before the connection class: its connect and request call watch first
         def connect(self) -> None:
@@ -213,16 +215,31 @@ def pool_classes() -> dict[str, Any]:
             watch(self)
             return super().request(*args, **kwargs)  # type: ignore[misc]
 
-    class WatchedConnection(Watched, AWSHTTPConnection):  # type: ignore[misc]
-        pass
+    def pool(base: Any) -> Any:
+        class WatchedConnection(Watched, base.ConnectionCls):  # type: ignore[misc]
+            pass
 
-    class WatchedTLSConnection(Watched, AWSHTTPSConnection):  # type: ignore[misc]
-        pass
+        class Pool(base):  # type: ignore[misc]
+            ConnectionCls = WatchedConnection
 
-    class Pool(AWSHTTPConnectionPool):  # type: ignore[misc]
-        ConnectionCls = WatchedConnection
+        return Pool
 
-    class PoolTLS(AWSHTTPSConnectionPool):  # type: ignore[misc]
-        ConnectionCls = WatchedTLSConnection
+    return {"http": pool(plain), "https": pool(tls)}
 
-    return {"http": Pool, "https": PoolTLS}
+
+def pool_classes() -> dict[str, Any]:
+    """botocore's connection pools, watched (``watched_pools``)."""
+    from botocore.awsrequest import AWSHTTPConnectionPool, AWSHTTPSConnectionPool
+
+    return watched_pools(AWSHTTPConnectionPool, AWSHTTPSConnectionPool)
+
+
+def watch_session(session: Any) -> None:
+    """The connections of a ``requests`` session's adapters watched: the pool classes go where
+    urllib3 keeps them (requests has no public way), and the pools are made later, of these."""
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    for adapter in session.adapters.values():
+        manager = getattr(adapter, "poolmanager", None)
+        if manager is not None:
+            manager.pool_classes_by_scheme = watched_pools(HTTPConnectionPool, HTTPSConnectionPool)
