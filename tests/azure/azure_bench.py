@@ -1,7 +1,9 @@
 """Figures of az:// URLs on Azurite: ckptstream's save and load of a state beside azure-storage-
 blob's own client moving the same bytes (``upload_blob`` / ``download_blob`` with
 ``max_concurrency``, blocks of ckptstream's buffer_size), paired (each run takes both, in turn
-first), with each side's requests counted and the peak RSS growth of ckptstream's transfers.
+first), with each side's requests counted and the peak RSS growth of ckptstream's transfers. A
+load is paired with a download into new memory, as a load fills memory it allocates (its first
+touch, page by page, is in both); a download into memory touched before is reported beside.
 
     python -m tests.azure.azure_bench --mib 1024 --runs 3 [--json out.json]
 
@@ -29,6 +31,7 @@ from ckptstream.bench.measure import PeakRss
 from tests.azure.azurite import AzuriteServer
 
 MiB = 1 << 20
+ROWS = ("save", "upload_blob", "load", "download_blob", "download_blob in place")
 
 
 class Counter:
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = measure(server, args.mib, args.runs)
     finally:
         server.stop()
-    for row in ("save", "upload_blob", "load", "download_blob"):
+    for row in ROWS:
         print(f"{row:>14}: {statistics.median(figures['gbps'][row]):.3f} GB/s (median of {args.runs}), "
               f"requests {figures['requests'][row]}")
     print(f"paired ratios: save/upload_blob {figures['ratio']['save']:.2f}, "
@@ -112,12 +115,14 @@ def measure(server: AzuriteServer, mib: int, runs: int) -> dict[str, Any]:
     state = {f"t{i:03d}": t for i, t in enumerate(flat.split(16 * MiB // 4))}
     raw = memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
     url, blob = "az://bench/state.safetensors", service.get_blob_client("bench", "raw.bin")
-    gbps: dict[str, list[float]] = {k: [] for k in ("save", "upload_blob", "load", "download_blob")}
+    gbps: dict[str, list[float]] = {k: [] for k in ROWS}
     paired: dict[str, list[float]] = {"save": [], "load": []}
     requests: dict[str, dict[str, int]] = {}
     rss = {"save": 0, "load": 0}
     raw_bytes = bytes(raw)  # upload_blob takes bytes, not a memoryview (its chunker concatenates)
-    out = bytearray(len(raw))  # the raw download's target, touched once before the runs
+    out = bytearray(len(raw))  # the in-place download's target, touched once before the runs
+    loaded: list[dict[str, torch.Tensor]] = []
+    downloaded: list[bytearray] = []
 
     def timed(row: str, fn: Any) -> Any:
         t = time.perf_counter()
@@ -132,14 +137,18 @@ def measure(server: AzuriteServer, mib: int, runs: int) -> dict[str, Any]:
 
     def load() -> None:
         with PeakRss() as peak:
-            back = ckptstream.load(url)
+            loaded.append(ckptstream.load(url))
         rss["load"] = max(rss["load"], peak.growth - len(raw))
-        assert all(torch.equal(back[k], state[k]) for k in state)
 
     def upload() -> None:
         blob.upload_blob(raw_bytes, length=len(raw), overwrite=True, max_concurrency=cfg.io_threads)
 
-    def download() -> None:
+    def download() -> None:  # into new memory
+        fresh = bytearray(len(raw))  # calloc'd: its pages are touched by the download's writes
+        blob.download_blob(max_concurrency=cfg.io_threads).readinto(Into(memoryview(fresh)))  # type: ignore[arg-type]
+        downloaded.append(fresh)
+
+    def download_in_place() -> None:
         blob.download_blob(max_concurrency=cfg.io_threads).readinto(Into(memoryview(out)))  # type: ignore[arg-type]
 
     for r in range(runs):
@@ -151,6 +160,13 @@ def measure(server: AzuriteServer, mib: int, runs: int) -> dict[str, Any]:
                 timed(row, fn)
                 requests[row] = counter.take()
             paired[ckpt_row].append(gbps[ckpt_row][-1] / gbps[raw_row][-1])
+        back = loaded.pop()  # both checked outside the timing
+        assert all(torch.equal(back[k], state[k]) for k in state)
+        assert downloaded.pop() == raw_bytes
+        del back
+        theirs.take()
+        timed("download_blob in place", download_in_place)
+        requests["download_blob in place"] = theirs.take()
     assert out == raw_bytes  # the raw download's bytes, exactly (ckptstream's: compared in load)
     register("az", None)
     return {"mib": mib, "runs": runs, "buffer_size": cfg.buffer_size, "io_threads": cfg.io_threads,

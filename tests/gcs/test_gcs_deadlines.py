@@ -17,11 +17,11 @@ from ckptstream._storage.objsource import FIRST
 from tests.gcs.gcsserver import GCSServer, require_emulator
 from tests.gcs.gcsutil import Bucket, MiB, new_bucket, use_server
 from tests.s3.faultproxy import FaultProxy
-from tests.s3.test_s3_deadlines import FAST, RATE, STALLS, TIMEOUT, fails_in_time, state
+from tests.s3.test_s3_deadlines import FAST, RATE, TIMEOUT, fails_in_time, stalls, state
 
 # each stall holds the emulator's one thread for its whole deadline (seconds): make test runs the
-# drip (the stall no socket timeout catches), the others are marked slow; S3's suite runs all
-GCS_STALLS = [pytest.param(s, marks=() if s == "drip" else pytest.mark.slow) for s in STALLS]
+# drip (the stall no socket timeout catches) on both operations, the others are marked slow
+GCS_STALLS = stalls("drip")
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,14 @@ STORE = storage_for("s3://any")
 BOUND = 30.0  # seconds: about twice the deadlines below (a save's abort has its own); a stalled request
 # without a deadline waits for botocore's socket timeout (60 s), once per attempt
 STALLS = ["freeze", "headers", "drip"]
+
+
+def stalls(quick: str) -> list[Any]:
+    """STALLS for one operation's test, all but ``quick`` marked slow: ``make test`` meets every
+    kind of stall on each store, each on one of its operations (each wait is a whole deadline);
+    ``-m slow`` runs the rest."""
+    return [pytest.param(s, marks=() if s == quick else pytest.mark.slow) for s in STALLS]
+
 TIMEOUT, RATE = 5, 16 * MiB  # deadlines of 5 s and a little per MiB: room for a busy machine before the stall
 FAST = {"s3_timeout": TIMEOUT, "s3_min_rate": RATE}
 
@@ -75,7 +83,7 @@ def state() -> dict[str, torch.Tensor]:
     return {"big": random_tensor((3 * MiB,), torch.float32), "small": random_tensor((100,), torch.float16)}
 
 
-@pytest.mark.parametrize("stall", STALLS)
+@pytest.mark.parametrize("stall", stalls("drip"))
 def test_a_save_ends_within_its_deadline_and_leaves_the_old_object(s3: Bucket, proxy: FaultProxy,
                                                                    stall: str) -> None:
     old = os.urandom(1000)
@@ -93,7 +101,7 @@ def test_a_save_ends_within_its_deadline_and_leaves_the_old_object(s3: Bucket, p
     assert s3.keys() == ["a/ckpt"]
 
 
-@pytest.mark.parametrize("stall", STALLS)
+@pytest.mark.parametrize("stall", stalls("headers"))
 def test_a_load_ends_within_its_deadline(s3: Bucket, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
                                          stall: str) -> None:
     ckptstream.save(state(), s3.url("ckpt"))
@@ -111,7 +119,7 @@ def test_a_load_ends_within_its_deadline(s3: Bucket, proxy: FaultProxy, monkeypa
     assert "CKPTSTREAM_S3_TIMEOUT" in str(error)
 
 
-@pytest.mark.parametrize("stall", STALLS)
+@pytest.mark.parametrize("stall", stalls("freeze"))
 def test_a_ranged_read_ends_within_its_deadline(s3: Bucket, proxy: FaultProxy, stall: str) -> None:
     data = os.urandom(6 * MiB)
     s3.put("r", data)
