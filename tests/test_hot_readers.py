@@ -111,3 +111,20 @@ def test_on_a_gpu_copies_go_by_address_through_the_runtime_torch_loaded(
     assert sum(copied) == sum(t.numel() * t.element_size() for t in state.values())
     for name, t in state.items():
         assert torch.equal(loaded[name].cpu(), t), name
+
+
+def test_without_a_cuda_runtime_copies_go_through_torch() -> None:
+    """Where no CUDA runtime is mapped in the process (a CPU build of torch, as here), nothing is
+    copied by address: the engine's copies and its readers stay as configured (the fallback)."""
+    from ckptstream._engine import cudart
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA runtime is loaded here (the GPU test above covers that case)")
+    assert cudart.runtime() is None
+    assert cudart.copier(0) is None
+    assert streams.CudaDevices().copies_by_address() is False
+    mapped = "7f1c2a000000-7f1c2a0a1000 r-xp 00000000 08:01 123 "  # a line of /proc/self/maps, up to its path
+    match = cudart._LIBRARY.search(mapped + "/opt/venv/nvidia/cu13/lib/libcudart.so.13\n")
+    assert match is not None
+    assert match.group(1) == "/opt/venv/nvidia/cu13/lib/libcudart.so.13"
+    assert cudart._LIBRARY.search(mapped + "/usr/lib/libcudart_static.a\n") is None
