@@ -147,6 +147,7 @@ def main() -> None:
 
     signal.signal(signal.SIGALRM, deadline)
     root = Path(args.folder or tempfile.mkdtemp(prefix="titan-cost-"))
+    root.mkdir(parents=True, exist_ok=True)  # the store's file goes there: in a missing folder, a hang
     dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
                             init_method=f"file://{root / 'store'}", rank=0, world_size=1)
     try:

@@ -128,3 +128,37 @@ def test_without_a_cuda_runtime_copies_go_through_torch() -> None:
     assert match is not None
     assert match.group(1) == "/opt/venv/nvidia/cu13/lib/libcudart.so.13"
     assert cudart._LIBRARY.search(mapped + "/usr/lib/libcudart_static.a\n") is None
+
+
+def test_the_hot_check_samples_a_large_file_and_counts_every_page_of_a_small_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond SAMPLES x SAMPLE bytes the page-cache share is estimated from evenly spread
+    windows (mincore over every page of a large file costs a good part of a hot load): with
+    the second half of a file evicted, both ways tell a half."""
+    from ckptstream._storage import fileio
+
+    path = tmp_path / "half.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 2 << 20, 0, os.POSIX_FADV_DONTNEED)
+        exact = fileio.resident_fraction(fd, 0, 4 << 20)
+        if exact != 0.5:
+            pytest.skip(f"this file system keeps evicted pages (share {exact}): nothing to compare")
+        looked: list[int] = []
+        pages_in_memory = fileio.pages_in_memory
+        def counted(address: int, nbytes: int) -> bytes | None:
+            looked.append(nbytes)
+            return pages_in_memory(address, nbytes)
+
+        monkeypatch.setattr(fileio, "pages_in_memory", counted)
+        monkeypatch.setattr(fileio, "SAMPLES", 8)
+        monkeypatch.setattr(fileio, "SAMPLE", 64 << 10)
+        assert fileio.resident_fraction(fd, 0, 4 << 20) == 0.5
+        assert looked == [64 << 10] * 8  # 512 KiB of the 4 MiB looked at
+        looked.clear()
+        assert fileio.resident_fraction(fd, 0, 512 << 10) == 1.0  # within the samples: every page
+        assert looked == [512 << 10]
+    finally:
+        os.close(fd)

@@ -70,13 +70,14 @@ def gloo(tmp_path: Path) -> Any:
         dist.destroy_process_group()
 
 
-def build(folder: Path, seed: int, stream: bool = True, **options: Any) -> tuple[Any, nn.Module, Optimizer, Any]:
+def build(folder: Path, seed: int, stream: bool = True, device: str = "cpu",
+          **options: Any) -> tuple[Any, nn.Module, Optimizer, Any]:
     from torchtitan.components.checkpoint import CheckpointManager
 
     from ckptstream.torchtitan import StreamCheckpointManager
 
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)).to(device)
     opt = Optimizer(model)
     sched, train = Scheduler(opt), TrainState()
     kind = StreamCheckpointManager if stream else CheckpointManager
@@ -91,7 +92,7 @@ def train(manager: Any, model: nn.Module, opt: Optimizer, rest: Any, steps: int)
     sched, state = rest
     data = torch.Generator().manual_seed(5)
     for step in range(1, steps + 1):
-        x = torch.randn(4, 6, generator=data)
+        x = torch.randn(4, 6, generator=data).to(next(model.parameters()).device)
         model(x).square().mean().backward()
         manager.maybe_wait_for_staging()  # where torchtitan's trainer waits: before the update
         opt.opt.step()
@@ -117,9 +118,23 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> None:
                                                          ("async", "lazy"), ("async", "host")])
 def test_resume_from_the_newest_step_bit_for_bit(gloo: Any, tmp_path: Path, async_mode: str,
                                                  stream_mode: str) -> None:
+    resumes_bit_for_bit(tmp_path, "cpu", async_mode, stream_mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream_mode", ["device", "host"])
+def test_resume_from_the_newest_step_bit_for_bit_on_a_gpu(gloo: Any, tmp_path: Path, stream_mode: str) -> None:
+    """The checkpoint module on a GPU (torchtitan's trainer itself needs a newer torch than some
+    GPU machines have: docs/integrations.md): device mode snapshots in GPU memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    resumes_bit_for_bit(tmp_path, "cuda", "async", stream_mode)
+
+
+def resumes_bit_for_bit(tmp_path: Path, device: str, async_mode: str, stream_mode: str) -> None:
     import ckptstream.dcp
 
-    manager, model, opt, rest = build(tmp_path, 0, async_mode=async_mode, stream_mode=stream_mode)
+    manager, model, opt, rest = build(tmp_path, 0, device=device, async_mode=async_mode, stream_mode=stream_mode)
     train(manager, model, opt, rest, 5)
     manager.close()
     steps = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
@@ -127,7 +142,8 @@ def test_resume_from_the_newest_step_bit_for_bit(gloo: Any, tmp_path: Path, asyn
     for name in steps:  # ckptstream's files, with a CRC-32C per chunk
         files = ckptstream.dcp.checkpoint_files(tmp_path / "checkpoint" / name)
         assert [Path(f).name for f in files] == [".metadata", ckptstream.dcp.rank_file_name(0)]
-    fresh, model2, opt2, (sched2, state2) = build(tmp_path, 1, async_mode=async_mode, stream_mode=stream_mode)
+    fresh, model2, opt2, (sched2, state2) = build(tmp_path, 1, device=device, async_mode=async_mode,
+                                                  stream_mode=stream_mode)
     assert not torch.equal(model2.state_dict()["0.weight"], model.state_dict()["0.weight"])
     assert fresh.load()
     assert state2.step == 5

@@ -20,4 +20,10 @@ pytestmark = [pytest.mark.gpu, needs_torchtitan]
 
 @pytest.mark.timeout(1500)
 def test_killed_torchtitan_runs_resume_bit_for_bit_on_a_gpu(tmp_path: Path) -> None:
+    try:
+        import torchtitan.trainer  # noqa: F401
+    except ImportError as e:  # torchtitan 0.3.0 under torch 2.11: "cannot import name 'DataParallelMeshDims'"
+        import torch
+
+        pytest.skip(f"torchtitan's trainer does not import under torch {torch.__version__}: {e}")
     kill_and_resume(tmp_path, ("--debug.deterministic",))
