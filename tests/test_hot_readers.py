@@ -148,6 +148,7 @@ def test_the_hot_check_samples_a_large_file_and_counts_every_page_of_a_small_one
             pytest.skip(f"this file system keeps evicted pages (share {exact}): nothing to compare")
         looked: list[int] = []
         pages_in_memory = fileio.pages_in_memory
+
         def counted(address: int, nbytes: int) -> bytes | None:
             looked.append(nbytes)
             return pages_in_memory(address, nbytes)

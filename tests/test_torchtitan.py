@@ -124,8 +124,8 @@ def test_resume_from_the_newest_step_bit_for_bit(gloo: Any, tmp_path: Path, asyn
 @pytest.mark.gpu
 @pytest.mark.parametrize("stream_mode", ["device", "host"])
 def test_resume_from_the_newest_step_bit_for_bit_on_a_gpu(gloo: Any, tmp_path: Path, stream_mode: str) -> None:
-    """The checkpoint module on a GPU (torchtitan's trainer itself needs a newer torch than some
-    GPU machines have: docs/integrations.md): device mode snapshots in GPU memory."""
+    """The checkpoint module on a GPU (torchtitan 0.3.0's trainer does not import under torch
+    2.11, see tests/test_torchtitan_gpu.py): device mode snapshots in GPU memory."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     resumes_bit_for_bit(tmp_path, "cuda", "async", stream_mode)
