@@ -1,14 +1,14 @@
 """Where a hot load into one GPU spends its time, phase by phase, against a bare copy loop: the
 read engine's set-up (header, allocations, plan), its threads' start, the first and the last
-chunk moved, the device checksums and the hand-back, timed inside one process for the engine
-as it is, with its I/O threads started without the gate (each start then waits for the new
-thread to take the interpreter lock behind the running ones), without checksums, and with a
-shorter interpreter switch interval; beside the bare loop of probe-hot-gpu-variants.py. Run
-from the repository root on a GPU machine: PYTHONPATH=src python scripts/probe-hot-gpu-phases.py."""
-import os, runpy, statistics, sys, threading, time
+chunk moved, the device checksums and the hand-back, timed inside one process, with and without
+checksums; and, summed over the I/O threads, the time in reads, in queueing copies, in host
+checksums and the rest of a chunk's turn (mostly waiting for a staging buffer's copies). Beside
+the bare loop of probe-hot-gpu-variants.py. Run from the repository root on a GPU machine:
+PYTHONPATH=src python scripts/probe-hot-gpu-phases.py."""
+import os, runpy, statistics, threading, time
 import torch
 import ckptstream
-from ckptstream._engine import engine as engine_mod, read as read_mod
+from ckptstream._engine import engine as engine_mod, read as read_mod, streams as streams_mod
 
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -30,14 +30,24 @@ def mark(name, first=True):
 
 Init, Start, Move, Result = (engine_mod.Engine.__init__, engine_mod.Engine.start, read_mod.ReadEngine._move,
                              read_mod.ReadEngine._result)
-GATE = [True]
+spent: dict[str, float] = {}  # seconds, summed over the I/O threads
+
+
+def timed(name, fn):
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            dt = time.perf_counter() - t
+            with lock:
+                spent[name] = spent.get(name, 0.0) + dt
+    return run
 
 
 def init(self, *a, **k):
     mark("setup done")
     Init(self, *a, **k)
-    if not GATE[0]:
-        self._go.set()  # as before the gate: each thread runs as soon as it starts
     mark("engine made")
 
 
@@ -49,7 +59,7 @@ def start(self):
 
 def move(self, chunk, buf):
     mark("first chunk")
-    Move(self, chunk, buf)
+    timed("chunk turns", Move)(self, chunk, buf)
     mark("last chunk", first=False)
 
 
@@ -62,22 +72,26 @@ def result(self):
 
 engine_mod.Engine.__init__, engine_mod.Engine.start = init, start
 read_mod.ReadEngine._move, read_mod.ReadEngine._result = move, result
+for name, attr in (("reads", "_read"), ("queueing copies", "_copy_parts"), ("host checksums", "_chunk_crcs")):
+    setattr(read_mod.ReadEngine, attr, timed(name, getattr(read_mod.ReadEngine, attr)))
 
 
-def load(checksum=True, gate=True, switch=None):
-    GATE[0] = gate
-    old = sys.getswitchinterval()
-    if switch:
-        sys.setswitchinterval(switch)
+def load(checksum=True, on_host=False):
+    """on_host: checksums of the staging buffers on the host, none on the device."""
+    marks.clear()
+    spent.clear()
+    devices = streams_mod.CudaDevices
+    saved = devices.checksums_on_device, devices.span_checksums_on_device
+    if on_host:
+        devices.checksums_on_device = devices.span_checksums_on_device = lambda self, *a: False
     try:
-        marks.clear()
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = ckptstream.load(PATH, device="cuda", checksum=checksum)
         torch.cuda.synchronize()
         end = time.perf_counter()
     finally:
-        sys.setswitchinterval(old)
+        devices.checksums_on_device, devices.span_checksums_on_device = saved
     del out
     order = ["setup done", "engine made", "threads started", "first chunk", "last chunk", "checksums begin",
              "checksums done"]
@@ -87,12 +101,14 @@ def load(checksum=True, gate=True, switch=None):
             phases[name] = (marks[name] - at) * 1e3
             at = marks[name]
     phases["returned"] = (end - at) * 1e3
-    return N / (end - t) / 1e9, phases
+    turns = spent.pop("chunk turns", 0.0)
+    threads = {k: x * 1e3 for k, x in spent.items()}
+    threads["rest of the turns"] = turns * 1e3 - sum(threads.values())
+    return N / (end - t) / 1e9, phases, threads
 
 
-variants = {"engine": lambda: load(), "engine, no start gate": lambda: load(gate=False),
-            "engine, checksum=False": lambda: load(checksum=False),
-            "engine, switch interval 0.5 ms": lambda: load(switch=0.0005)}
+variants = {"engine": lambda: load(), "engine, checksum=False": lambda: load(checksum=False),
+            "engine, checksums on the host": lambda: load(on_host=True)}
 for fn in variants.values():
     fn()
 got = {name: [] for name in variants}
@@ -105,9 +121,9 @@ for r in range(ROUNDS):
     bares.append(bare(16, 1, 8 * v["MiB"])[0])
 say(f"bare 16 x 1 x 8 MiB: median {statistics.median(bares):.1f} GB/s (" + " / ".join(f"{x:.1f}" for x in bares) + ")")
 for name, runs in got.items():
-    rates = [r for r, _ in runs]
-    keys = runs[0][1].keys()
-    med = {k: statistics.median(p[k] for _, p in runs if k in p) for k in keys}
+    rates = [r for r, _, _ in runs]
     say(f"{name:32s} median {statistics.median(rates):5.1f} GB/s (" + " / ".join(f"{x:.1f}" for x in rates) + ")")
-    say("    ms after the previous mark: " + ", ".join(f"{k} {x:.1f}" for k, x in med.items()))
+    for what, at in (("ms after the previous mark", 1), ("ms summed over the I/O threads", 2)):
+        med = {k: statistics.median(r[at][k] for r in runs if k in r[at]) for k in runs[0][at]}
+        say(f"    {what}: " + ", ".join(f"{k} {x:.1f}" for k, x in med.items()))
 say("done")

@@ -1,7 +1,7 @@
 """Where the read engine loses against a bare copy loop on a hot load into one GPU: the engine
-as it is, and with one change at a time (reads of a whole chunk per call instead of 2 MiB calls;
-no checksums; destinations
-given by ``load_into`` instead of allocated), beside a bare loop (each thread its contiguous
+as it is, and with one change at a time (reads in calls of 2 MiB, as cold readers read,
+instead of a whole chunk per call; no checksums; destinations given by ``load_into`` instead of
+allocated), beside a bare loop (each thread its contiguous
 range, whole-chunk ``os.preadv`` into its pinned buffer, ``cudaMemcpyAsync`` by address per
 tensor part on its own stream, events through ctypes) and InstantTensor's buffered backend, all
 in turns in one process. Run from the repository root on a GPU machine:
@@ -9,7 +9,7 @@ PYTHONPATH=src python scripts/probe-hot-gpu-variants.py; PROBE_GIB sets the stat
 import contextlib, ctypes, json, os, statistics, struct, threading, time
 import torch
 import ckptstream
-from ckptstream._engine import cudart, streams as streams_mod
+from ckptstream._engine import cudart
 from ckptstream._storage import files
 from ckptstream.bench.ceilings import Probe, pipeline_read
 from ckptstream.bench.state import StateSpec, build_state, flat_tensors
@@ -44,14 +44,15 @@ say(f"saved {N / GiB:.2f} GiB in {len(ref)} tensors")
 
 
 @contextlib.contextmanager
-def patched(whole_reads=False):
-    saved = streams_mod.make, files.READ_REQUEST
-    if whole_reads:
-        files.READ_REQUEST = None
+def patched(request_reads=False):
+    """request_reads: the hot readers read in calls of READ_REQUEST, as the cold ones do."""
+    saved = files.FileSource.reader
+    if request_reads:
+        files.FileSource.reader = lambda self, resident=False: saved(self)
     try:
         yield
     finally:
-        streams_mod.make, files.READ_REQUEST = saved
+        files.FileSource.reader = saved
 
 
 def engine(checksum=True, into=None, **patch):
@@ -145,7 +146,7 @@ def main():
         t.zero_()  # poisoned: the warm round's comparison shows load_into filled them
     variants = {
         "engine default": lambda: engine(),
-        "engine, whole-chunk reads": lambda: engine(whole_reads=True),
+        "engine, reads of 2 MiB calls": lambda: engine(request_reads=True),
         "engine default, checksum=False": lambda: engine(checksum=False),
         "engine load_into (no allocation)": lambda: engine(into=into),
         "bare 16 x 1 x 8 MiB": lambda: bare(16, 1, 8 * MiB),
@@ -192,6 +193,15 @@ def main():
     for name, xs in got.items():
         if xs:
             say(f"  {name:42s} median {statistics.median(xs):5.1f}  (" + " / ".join(f"{x:.1f}" for x in xs) + ")")
+    from ckptstream._engine import gpucrc
+    flats = [t.reshape(-1).view(torch.uint8) for t in flat_tensors(into).values()]
+    flats = [f for f in flats if gpucrc.eligible(f)]
+    rates = []
+    for _ in range(3):  # the device checksum kernel alone, over the tensors it takes
+        torch.cuda.synchronize(); t = time.perf_counter()
+        gpucrc.crcs(flats)
+        rates.append(sum(f.numel() for f in flats) / (time.perf_counter() - t) / 1e9)
+    say(f"device CRC-32C kernel alone, {len(flats)} tensors: " + " / ".join(f"{r:.0f}" for r in rates) + " GB/s")
     say("done")
 
 

@@ -273,13 +273,13 @@ def gcs_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     """A new bucket on the session's emulator (tests/gcs/gcsserver.py), whose ``gs://`` URLs
     reach a storage of its own, registered for the test (as S3's): it and the raw client are
     made once a session."""
+    server = request.getfixturevalue("gcs_server")  # first: it skips where the emulator is not installed
     from google.auth.credentials import AnonymousCredentials
 
     from ckptstream._storage import register
     from ckptstream._storage.gcs import GCSStorage
     from tests.gcs.gcsutil import new_bucket, raw_client
 
-    server = request.getfixturevalue("gcs_server")
     made = f"gs {server.endpoint}"
     if made not in _made:
         env = server.env

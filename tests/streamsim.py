@@ -136,20 +136,25 @@ class SimDevices:
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.numel() >= 64  # most tensors, so that the path is taken
 
-    def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
-        """Queued on the current stream, and waited for, as the kernel and its ``tolist()`` are."""
+    def checksums(self, tensors: list[torch.Tensor]) -> Callable[[], list[int]]:
+        """Queued on the current stream, as the kernel is; the function returned waits for
+        that stream, as its ``tolist()`` does."""
         out: list[int] = []
         stream = self.current_stream(DEVICE)
         stream.enqueue(lambda: out.extend(crc32c.crc32c(t.numpy().tobytes()) for t in tensors))
-        stream.synchronize()
-        return out
+
+        def wait() -> list[int]:
+            stream.synchronize()
+            return out
+        return wait
 
     def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
         return bool(begins)
 
-    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
-        """As ``checksums``, of ranges of one tensor's bytes."""
-        return self.checksums([memory[b:e] for b, e in zip(begins, ends, strict=True)])
+    def span_checksums(self, runs: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]]
+                       ) -> Callable[[], list[int]]:
+        """As ``checksums``, of ranges of tensors' bytes."""
+        return self.checksums([memory[b:e] for memory, begins, ends in runs for b, e in zip(begins, ends, strict=True)])
 
     def producer(self, work: Callable[[], None]) -> None:
         """Queue ``work`` on the caller's stream, as a kernel that writes a tensor would be."""

@@ -98,17 +98,20 @@ def test_a_hot_load_into_a_gpu_is_held_to_the_best_pipeline_where_one_was_measur
 def test_the_pipeline_sweep_tries_the_engines_threads_and_deep_buffers() -> None:
     assert ceilings.pipeline_probes([], 8 << 30) == []
     labels = [p.label for p in ceilings.pipeline_probes([16], 8 << 30)]
-    assert labels == ["pinned 8x16MiB", "pinned 16x16MiB", "pinned 16x64MiB"]
+    assert labels == ["pinned 8x16MiB", "pinned 16x16MiB", "pinned 16x64MiB", "pinned-ranges 16x8MiB",
+                      "pinned-ranges 16x16MiB"]
     assert [p.label for p in ceilings.pipeline_probes([1, 4], 8 << 30)] == [
-        "pinned 1x16MiB", "pinned 4x16MiB", "pinned 4x64MiB"]
+        "pinned 1x16MiB", "pinned 4x16MiB", "pinned 4x64MiB", "pinned-ranges 4x8MiB", "pinned-ranges 4x16MiB"]
     small = ceilings.pipeline_probes([16], 32 * MiB)
     assert small
     assert all(p.threads * p.block <= 32 * MiB for p in small[1:])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("threads", "block"), [(3, MiB), (16, 2 * MiB)])
-def test_the_pipeline_moves_every_byte_of_the_file_into_the_device(tmp_path: Path, threads: int, block: int) -> None:
+@pytest.mark.parametrize(("how", "threads", "block"), [("pinned", 3, MiB), ("pinned", 16, 2 * MiB),
+                                                       ("pinned-ranges", 3, MiB), ("pinned-ranges", 16, 2 * MiB)])
+def test_the_pipeline_moves_every_byte_of_the_file_into_the_device(tmp_path: Path, how: str, threads: int,
+                                                                   block: int) -> None:
     import torch
 
     nbytes = 7 * MiB + 4096 * 3  # a short last block
@@ -116,5 +119,5 @@ def test_the_pipeline_moves_every_byte_of_the_file_into_the_device(tmp_path: Pat
     path = tmp_path / "raw"
     path.write_bytes(data.numpy().tobytes())
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
-    assert ceilings.pipeline_read(str(path), nbytes, Probe("pinned", threads, block), "cuda", dst=dst) > 0
+    assert ceilings.pipeline_read(str(path), nbytes, Probe(how, threads, block), "cuda", dst=dst) > 0
     assert torch.equal(dst.cpu(), data)

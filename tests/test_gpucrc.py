@@ -154,27 +154,30 @@ def test_span_kernel_equals_crc32c(seed: int) -> None:
 @pytest.mark.parametrize("buffer_size", [4096, 16 << 20], ids=["4k", "16m"])
 def test_whole_load_checksums_small_tensors_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          buffer_size: int) -> None:
-    """A whole load into a GPU moves runs of small tensors as one piece and checksums each tensor
-    of it on the device: every value exact, a corrupt byte named by its own tensor, chunks that
-    cut the run or not."""
-    ranges: list[int] = []
-    real = gpucrc.span_crcs
+    """A whole load into a GPU moves runs of small tensors as one piece each and checksums each
+    tensor of them on the device, every run's in one launch: every value exact, a corrupt byte
+    named by its own tensor, chunks that cut the runs or not."""
+    launches: list[int] = []
+    real = gpucrc.launch_spans
 
-    def counted(memory: torch.Tensor, begins: list[int], ends: list[int]) -> list[int]:
-        ranges.append(len(begins))
-        return real(memory, begins, ends)
+    def counted(runs: list[gpucrc.Spans]) -> gpucrc.Waiter:
+        launches.append(sum(len(begins) for _, begins, _ in runs))
+        return real(runs)
 
-    monkeypatch.setattr(gpucrc, "span_crcs", counted)
+    monkeypatch.setattr(gpucrc, "launch_spans", counted)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    state = {f"w{i}": torch.randn(i % 50 + 1, device="cuda", generator=gen) for i in range(3000)}
+    # runs of 499 small tensors between tensors of their own allocation (1 MiB and more)
+    state = {f"t{i:04d}": torch.randn(i % 50 + 1 if i % 500 else (1 << 18) + i, device="cuda", generator=gen)
+             for i in range(3000)}
+    small = [k for k, v in state.items() if v.numel() * 4 < gpucrc.GPU_FROM]
     path = tmp_path / "small.safetensors"
     ckptstream.save(state, path)
     loaded = ckptstream.load(path, device="cuda", settings=ckptstream.Settings(buffer_size=buffer_size))
-    assert sum(ranges) == len(state)
+    assert launches == [len(small)]
     for k, v in state.items():
         assert_bytes_equal(loaded[k], v)
-    flip_last_byte(path, "w1234")
-    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'w1234' fails its CRC-32C"):
+    flip_last_byte(path, "t1234")
+    with pytest.raises(ckptstream.CorruptCheckpointError, match=r"'t1234' fails its CRC-32C"):
         ckptstream.load(path, device="cuda", settings=ckptstream.Settings(buffer_size=buffer_size))
 
 
@@ -271,13 +274,13 @@ def test_engine_checksums_on_the_device(tmp_path: Path, monkeypatch: pytest.Monk
     targets[5] = poisoned_like(sources[5]._base)[1:]  # 4 bytes in: on the device
     into = [Piece.of(t, p.offset) for t, p in zip(targets, pieces, strict=True)]
     taken: list[int] = []
-    real_crcs = gpucrc.crcs
+    real_launch = gpucrc.launch
 
-    def crcs(tensors: list[torch.Tensor]) -> list[int]:
+    def launch(tensors: list[torch.Tensor]) -> gpucrc.Waiter:
         taken.extend(t.numel() for t in tensors)
-        return real_crcs(tensors)
+        return real_launch(tensors)
 
-    monkeypatch.setattr(gpucrc, "crcs", crcs)
+    monkeypatch.setattr(gpucrc, "launch", launch)
     cfg = Settings(buffer_size=(2 << 20) + 7, num_buffers=4, io_threads=3)
     with local.opened(path, 0, FileSource) as (reading, _):
         assert ReadEngine(reading, into, cfg, checksum=True).run() == expected

@@ -163,3 +163,39 @@ def test_the_hot_check_samples_a_large_file_and_counts_every_page_of_a_small_one
         assert looked == [512 << 10]
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("hot", [True, False], ids=["hot", "as-configured"])
+def test_hot_readers_read_a_whole_chunk_per_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hot: bool) -> None:
+    """From the page cache, each read call fills a whole staging buffer (every call gives the
+    interpreter lock up and takes it back behind the other readers); the configured readers
+    read in calls of READ_REQUEST, so that readahead runs on while a thread is busy. The
+    tensors arrive byte-exact either way."""
+    from ckptstream._storage import fileio, files
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no hot readers")
+    gen = torch.Generator().manual_seed(13)
+    state = {"a": torch.randn(5 << 20, generator=gen), "b": torch.randint(-9, 9, (3, 1_000_003), generator=gen,
+                                                                          dtype=torch.int16)}
+    path = tmp_path / "hot.safetensors"
+    ckptstream.save(state, path)
+    path.read_bytes()  # in the page cache, whole
+    monkeypatch.setattr(read, "HOT_FROM", 0)
+    calls: list[int] = []  # the most bytes each call of the loads' readers asks for (straight into the tensors)
+    preadv_all = fileio.preadv_all
+
+    def spy(fd: int, views: list[memoryview], offset: int, name: str, request: int | None = None) -> int:
+        nbytes = sum(len(v) for v in views)
+        calls.append(min(nbytes, request or nbytes))
+        return preadv_all(fd, views, offset, name, request)
+
+    monkeypatch.setattr(fileio, "preadv_all", spy)
+    cfg = Settings(io_threads=1, num_buffers=2, buffer_size=8 << 20, hot_io_threads=2 if hot else 1, direct_io="off")
+    loaded = ckptstream.load(path, mmap=False, settings=cfg, checksum=False)
+    if hot:
+        assert max(calls) == 8 << 20, calls  # the two readers' buffers of 8 MiB each, whole
+    else:
+        assert max(calls) == files.READ_REQUEST, calls
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name

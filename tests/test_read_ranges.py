@@ -56,8 +56,8 @@ def spy_readers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     seen: list[tuple[str, bool]] = []
     real = FileSource.reader
 
-    def spy(self: FileSource) -> object:
-        r = real(self)
+    def spy(self: FileSource, resident: bool = False) -> object:
+        r = real(self, resident)
         seen.append((threading.current_thread().name, r is not self and r.fd != self.fd))  # type: ignore[attr-defined]
         return r
 
@@ -148,8 +148,8 @@ def test_an_open_file_the_caller_passes_is_reopened_for_reading_only(tmp_path: P
     modes: list[int] = []
     real = FileSource.reader
 
-    def spy(self: FileSource) -> object:
-        r = real(self)
+    def spy(self: FileSource, resident: bool = False) -> object:
+        r = real(self, resident)
         assert r is not self
         assert os.path.samestat(os.fstat(r.fd), os.fstat(self.fd))  # type: ignore[attr-defined]
         modes.append(fcntl.fcntl(r.fd, fcntl.F_GETFL) & os.O_ACCMODE)  # type: ignore[attr-defined]

@@ -67,10 +67,6 @@ class Engine(Generic[T]):
         self._claim, self._claim_lock = iter(self.chunks), threading.Lock()
         self._progress, self._progress_lock = progress, threading.Lock()
         self._threads: list[threading.Thread] = []
-        # the I/O threads begin together once all are started: each start waits until the new
-        # thread runs, which, behind threads already moving bytes, means waiting for the
-        # interpreter lock they take back after every read (a switch interval, 5 ms, per thread)
-        self._go = threading.Event()
         self._buffers: list[StagingBuffer] = []
         self._started = self._finished = False
 
@@ -115,18 +111,15 @@ class Engine(Generic[T]):
         log.debug("%s %s: %d chunks on a grid of %d, %d I/O threads, %d staging buffers of %d bytes%s", name,
                   self.file.name, len(self.chunks), self.grid, count, len(self._buffers), self.cfg.buffer_size,
                   " (pinned)" if self.streams.pinned else "")
-        try:
-            for i, take in enumerate(self.claims(count)):
-                own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
-                thread = threading.Thread(target=self._thread, args=(own, take), name=f"{name}-{i}", daemon=True)
-                self._threads.append(thread)  # before it starts: an interrupt right after must find it
-                try:
-                    control.start(thread, f"I/O thread {i + 1} of {count} for {self.file.name}")
-                except ThreadStartError:
-                    self._threads.pop()  # never started: leaving the engine joins those that run
-                    raise
-        finally:
-            self._go.set()
+        for i, take in enumerate(self.claims(count)):
+            own: list[StagingBuffer | None] = [*self._buffers[i::count]] or [None]  # no staging needed
+            thread = threading.Thread(target=self._thread, args=(own, take), name=f"{name}-{i}", daemon=True)
+            self._threads.append(thread)  # before it starts: an interrupt right after must find it
+            try:
+                control.start(thread, f"I/O thread {i + 1} of {count} for {self.file.name}")
+            except ThreadStartError:
+                self._threads.pop()  # never started: leaving the engine joins those that run
+                raise
         return self
 
     def cancel(self) -> None:
@@ -197,7 +190,6 @@ class Engine(Generic[T]):
 
     def _thread(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None]) -> None:
         chunk = None
-        self._go.wait()
         try:
             with self.streams.copying(), self.thread_io():
                 for buf in itertools.cycle(own):

@@ -31,7 +31,7 @@ import ctypes
 import itertools
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -142,40 +142,74 @@ _kernels: dict[torch.device, _Built | None] = {}
 _lock = threading.Lock()
 
 
+Waiter = Callable[[], list[int]]  # waits for a launch and gives its CRC-32Cs
+
+
 def crcs(tensors: list[torch.Tensor]) -> list[int]:
+    """``launch``, waited for."""
+    return launch(tensors)()
+
+
+def launch(tensors: list[torch.Tensor]) -> Waiter:
     """The CRC-32C of each of ``tensors`` (uint8, 1-d, contiguous, on one CUDA device for which
-    ``usable`` said yes; see ``eligible``), in one launch on the device's current stream; waits
-    for it."""
+    ``usable`` said yes; see ``eligible``), in one launch on the device's current stream,
+    without waiting for it: the function returned waits and gives them."""
     device = tensors[0].device
     kernel, consts = _kernels[device].tensors  # type: ignore[union-attr]
     lengths = [t.numel() for t in tensors]
     firsts = list(itertools.accumulate((-(-n // BLOCK) for n in lengths), initial=0))
     with torch.cuda.device(device):
         rows = [[t.data_ptr(), n, first] for t, n, first in zip(tensors, lengths, firsts[:-1], strict=True)]
-        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
         out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
         kernel(grid=(firsts[-1], 1, 1), block=(LANES, 1, 1), args=[table, len(tensors), consts, out])
-        return [finish(r, n) for r, n in zip(out.tolist(), lengths, strict=True)]
+        stream = torch.cuda.current_stream(device)
+
+    def wait() -> list[int]:
+        with torch.cuda.stream(stream):  # read back after the kernel, from any thread
+            return [finish(r, n) for r, n in zip(out.tolist(), lengths, strict=True)]
+    return wait
+
+
+Spans = tuple[torch.Tensor, Sequence[int], Sequence[int]]  # memory, the ranges' begins and ends in it
 
 
 def span_crcs(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
-    """The CRC-32C of each byte range ``begins[k]:ends[k]`` of ``memory`` (uint8, 1-d, contiguous,
-    on a CUDA device for which ``usable`` said yes; see ``spans_eligible``), in one launch of the
-    spans' instance on the device's current stream; waits for it. Tables and results are handled
-    as tensors: nothing here costs a Python step per range."""
-    device = memory.device
+    """``launch_spans`` of the ranges of one tensor, waited for."""
+    return launch_spans([(memory, begins, ends)])()
+
+
+def launch_spans(runs: Sequence[Spans]) -> Waiter:
+    """The CRC-32C of each byte range ``begins[k]:ends[k]`` of each run's ``memory`` (uint8, 1-d,
+    contiguous, on one CUDA device for which ``usable`` said yes; see ``spans_eligible``), in
+    order, in one launch of the spans' instance on the device's current stream, as ``launch``.
+    Tables and results are handled as tensors: nothing here costs a Python step per range."""
+    device = runs[0][0].device
     kernel, consts = _kernels[device].spans  # type: ignore[union-attr]
-    lo = torch.tensor(begins, dtype=torch.int64)
-    lengths = torch.tensor(ends, dtype=torch.int64) - lo
+    lo = torch.cat([torch.tensor(begins, dtype=torch.int64) for _, begins, _ in runs])
+    lengths = torch.cat([torch.tensor(ends, dtype=torch.int64) for _, _, ends in runs]) - lo
+    lo += torch.cat([torch.full((len(begins),), memory.data_ptr(), dtype=torch.int64) for memory, begins, _ in runs])
     blocks = (lengths + SPAN_BLOCK - 1) // SPAN_BLOCK
     with torch.cuda.device(device):
-        table = torch.stack([lo + memory.data_ptr(), lengths, blocks.cumsum(0) - blocks], 1).to(device)
+        table = _to_device(torch.stack([lo, lengths, blocks.cumsum(0) - blocks], 1), device)
         out = torch.zeros(len(lo), dtype=torch.int32, device=device)
         kernel(grid=(int(blocks.sum()), 1, 1), block=(SPAN_LANES, 1, 1), args=[table, len(lo), consts, out])
-        registers = out.cpu().to(torch.int64) & 0xFFFFFFFF
-    sizes, which = torch.unique(lengths, return_inverse=True)
-    ones = torch.tensor([finish(0, n) for n in sizes.tolist()], dtype=torch.int64)  # the all-ones start, per length
-    return (registers ^ ones[which]).tolist()
+        stream = torch.cuda.current_stream(device)
+
+    def wait() -> list[int]:
+        with torch.cuda.stream(stream):
+            registers = out.cpu().to(torch.int64) & 0xFFFFFFFF
+        sizes, which = torch.unique(lengths, return_inverse=True)
+        ones = torch.tensor([finish(0, n) for n in sizes.tolist()], dtype=torch.int64)  # the all-ones start, per length
+        return (registers ^ ones[which]).tolist()
+    return wait
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A kernel's table on ``device``, copied without waiting for the work queued before it on
+    the stream (a copy from pageable memory waits for all of it): from page-locked memory,
+    which torch keeps until the copy has run."""
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def spans_eligible(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:

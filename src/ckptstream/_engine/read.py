@@ -4,7 +4,8 @@ Per chunk, on the I/O thread that claimed it: wait until the staging buffer's pr
 host-to-device copies are done -> read the chunk from the source -> enqueue the copies into the
 tensors (side streams) -> record events (the buffer is free again once they complete) ->
 checksum the buffer while the device copies it. Loads into CUDA tensors checksum large
-contiguous tensors on the device instead, once every copy is queued (see gpucrc).
+contiguous tensors on the device instead, once every copy is queued (see gpucrc): every launch
+first, then the wait for their values.
 
 Copies into non-contiguous tensors take turns in file order across the threads: an element cut
 by a chunk's end waits in a carry until the next chunk completes it.
@@ -29,7 +30,7 @@ from .. import _checksum
 from .._errors import TruncatedFileError
 from .._settings import ALIGN, DirectIO, Settings
 from .._storage import Source, round_down, round_up
-from . import streams
+from . import gpucrc, streams
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
 from .engine import BATCH, Engine
@@ -64,6 +65,7 @@ class ReadEngine(Engine[Source]):
     """
 
     writing = False
+    resident = False  # a load from the page cache (set by ``tune``)
 
     def __init__(self, *args: Any, spans: Sequence[tuple[int, int]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -138,7 +140,7 @@ class ReadEngine(Engine[Source]):
 
     @contextlib.contextmanager
     def thread_io(self) -> Iterator[object]:
-        reader = self.file.reader()
+        reader = self.file.reader(resident=self.resident)
         self._local.reader = reader
         try:
             yield reader
@@ -173,6 +175,7 @@ class ReadEngine(Engine[Source]):
         log.debug("%s: hot load into %s: %d readers, %d buffers of %d bytes (configured: %d, %d x %d)",
                   file.name, "a device" if devices else "host memory", threads, count, size, cfg.io_threads,
                   cfg.num_buffers, cfg.buffer_size)
+        self.resident = True
         return dataclasses.replace(cfg, io_threads=threads, buffer_size=size, num_buffers=count)
 
     def _has_ordered(self, chunk: Chunk) -> bool:
@@ -196,6 +199,31 @@ class ReadEngine(Engine[Source]):
         if self.checksum:  # while the device copies
             view = buf.view
             self._chunk_crcs(chunk, lambda p: view[p.at : p.at + p.hi - p.lo])
+
+    def _launch_checksums(self) -> list[tuple[gpucrc.Waiter, Sequence[int]]]:
+        """Launch the checksums of the pieces checksummed on their device, after their copies:
+        per device, one launch for the spans of the runs of small tensors (a launch costs more
+        than the bytes of a run), one for the other pieces. Returns the functions that wait for
+        each launch's values, with where those values go."""
+        launched: list[tuple[gpucrc.Waiter, Sequence[int]]] = []
+        whole: dict[Any, list[int]] = {}
+        runs: dict[Any, list[int]] = {}
+        for i, picked in enumerate(self.on_device):
+            if picked:
+                (runs if i in self._spans_of else whole).setdefault(self.device[i], []).append(i)
+        for device, pieces in runs.items():
+            spans = [range(*self._spans_of[i]) for i in pieces]
+            wait = self.streams.span_checksums(device, [(self._bytes(i), *self._relative(i, s.start, s.stop))
+                                                        for i, s in zip(pieces, spans, strict=True)])
+            launched.append((wait, [at for s in spans for at in s]))
+        for device, pieces in whole.items():
+            wait = self.streams.checksums(device, [self._bytes(i) for i in pieces])
+            launched.append((wait, pieces if self._spans is None else [self._span_of[i] for i in pieces]))  # type: ignore[misc]
+        return launched
+
+    def _bytes(self, piece: int) -> torch.Tensor:
+        p = self.pieces[piece]
+        return self.flat[piece][p.lo : p.hi]  # type: ignore[index]
 
     def _copy_parts(self, chunk: Chunk, buf: StagingBuffer, *, ordered: bool) -> list[Any]:
         """Enqueue the copies of the chunk's parts into contiguous tensors (or, ``ordered``,
@@ -299,28 +327,11 @@ class ReadEngine(Engine[Source]):
     def _result(self) -> list[int]:
         count = len(self.pieces if self._spans is None else self._spans)
         values = _checksum.span_crcs(count, self.part_crcs) if self.checksum else []
-        if any(self.on_device):
-            with self.streams.copying():  # queued after the copies
-                for picked in self._on_device_by_device().values():
-                    flats = [self.flat[i][self.pieces[i].lo : self.pieces[i].hi] for i in picked]  # type: ignore[index]
-                    whole = [(i, flat) for i, flat in zip(picked, flats, strict=True) if i not in self._spans_of]
-                    for (i, _), crc in zip(whole, self.streams.checksums([f for _, f in whole]) if whole else (),
-                                           strict=True):
-                        at = self._span_of[i] if self._spans is not None else i
-                        values[at] = crc  # type: ignore[index]
-                    for i, flat in zip(picked, flats, strict=True):
-                        if i in self._spans_of:
-                            first, stop = self._spans_of[i]
-                            values[first:stop] = self.streams.span_checksums(flat, *self._relative(i, first, stop))
+        for wait, where in self._launch_checksums() if any(self.on_device) else ():
+            for at, crc in zip(where, wait(), strict=True):
+                values[at] = crc
         self.streams.hand_back()
         return values
-
-    def _on_device_by_device(self) -> dict[Any, list[int]]:
-        out: dict[Any, list[int]] = {}
-        for i, picked in enumerate(self.on_device):
-            if picked:
-                out.setdefault(self.device[i], []).append(i)
-        return out
 
 
 def _split(chunks: Sequence[Chunk], count: int) -> list[Sequence[Chunk]]:

@@ -10,8 +10,8 @@ through ``mark``. The engine then, from any thread:
   interpreter lock, see ``cudart``);
 - ``record(devices)``: events marking a chunk's copies, which the I/O thread waits for before
   it writes the staging buffer to the file, or refills it from the file;
-- ``checksums(tensors)`` (or ``span_checksums``) inside ``copying()``: CRC-32Cs computed on
-  the device, queued after the copies;
+- ``checksums(device, tensors)`` (or ``span_checksums``): CRC-32Cs computed on the device,
+  queued after the copies; the function returned waits for the values;
 - ``hand_back()`` (loads): the caller's streams wait for the copies, so work queued after the
   load sees the data; ``synchronize()``: nothing is in flight any more.
 For host-only transfers every step is immediate. The CUDA primitives come from ``DEVICES``,
@@ -78,16 +78,17 @@ class CudaDevices:
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.is_cuda and gpucrc.eligible(flat) and gpucrc.usable(flat.device)
 
-    def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
-        """CRC-32Cs of contiguous byte tensors of one device, computed on the current stream."""
-        return gpucrc.crcs(tensors)
+    def checksums(self, tensors: list[torch.Tensor]) -> gpucrc.Waiter:
+        """CRC-32Cs of contiguous byte tensors of one device, launched on the current stream:
+        the function returned waits for them."""
+        return gpucrc.launch(tensors)
 
     def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
         return memory.is_cuda and gpucrc.usable(memory.device) and gpucrc.spans_eligible(memory, begins, ends)
 
-    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
-        """CRC-32Cs of byte ranges of one contiguous byte tensor, computed on the current stream."""
-        return gpucrc.span_crcs(memory, begins, ends)
+    def span_checksums(self, runs: Sequence[gpucrc.Spans]) -> gpucrc.Waiter:
+        """CRC-32Cs of byte ranges of contiguous byte tensors of one device, as ``checksums``."""
+        return gpucrc.launch_spans(runs)
 
 
 DEVICES = CudaDevices()
@@ -167,19 +168,28 @@ class Streams:
         loaded, rather than from the staging buffers."""
         return DEVICES.device_of(flat) is not None and DEVICES.checksums_on_device(flat)
 
-    def checksums(self, tensors: list[torch.Tensor]) -> list[int]:
-        """CRC-32Cs of contiguous byte tensors of one device, on the current stream (call in
-        ``copying()``, after the copies were enqueued); waits for them."""
-        return DEVICES.checksums(tensors)
+    def checksums(self, device: torch.device, tensors: list[torch.Tensor]) -> gpucrc.Waiter:
+        """CRC-32Cs of contiguous byte tensors of ``device``, launched on its side stream, after
+        the copies enqueued so far; the function returned waits for them."""
+        with self._after_copies(device):
+            return DEVICES.checksums(tensors)
 
     def span_checksums_on_device(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> bool:
         """Whether a load checksums these ranges of ``memory`` (many tensors' bytes in one
         allocation) on its device, once loaded."""
         return DEVICES.device_of(memory) is not None and DEVICES.span_checksums_on_device(memory, begins, ends)
 
-    def span_checksums(self, memory: torch.Tensor, begins: Sequence[int], ends: Sequence[int]) -> list[int]:
-        """CRC-32Cs of ranges of ``memory``, as ``checksums``."""
-        return DEVICES.span_checksums(memory, begins, ends)
+    def span_checksums(self, device: torch.device, runs: Sequence[gpucrc.Spans]) -> gpucrc.Waiter:
+        """CRC-32Cs of ranges of byte tensors of ``device`` (each run: a tensor, the ranges'
+        begins and ends in it), in order, as ``checksums``."""
+        with self._after_copies(device):
+            return DEVICES.span_checksums(runs)
+
+    @contextlib.contextmanager
+    def _after_copies(self, device: torch.device) -> Iterator[None]:
+        """The side stream of ``device``, current: what is queued now runs after the copies."""
+        with DEVICES.use(self._side[device]), torch.no_grad():
+            yield
 
     def hand_back(self) -> None:
         for device, side in self._side.items():

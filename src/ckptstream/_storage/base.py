@@ -173,12 +173,13 @@ class Source(Target):
     # (a local file's readahead follows such streams); else the threads take chunks in turn
     sequential_readers: ClassVar[bool] = False
 
-    def reader(self) -> Source:
+    def reader(self, resident: bool = False) -> Source:
         """A reader of the same bytes for one I/O thread, closed by that thread when it is done
         (``close``). A local file gives each thread a descriptor of its own, with readahead
         advised: the kernel then follows each thread's sequential stream instead of one mixed
-        stream. Elsewhere the source itself (a thread closes only a reader that is not its
-        source)."""
+        stream. ``resident``: the bytes are in memory already (``resident_fraction``), so no
+        readahead needs to run ahead of the reads. Elsewhere the source itself (a thread closes
+        only a reader that is not its source)."""
         return self
 
     def resident_fraction(self, offset: int, length: int) -> float | None:

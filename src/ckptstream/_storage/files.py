@@ -245,12 +245,14 @@ class FileSource(_Descriptor, Source):
     def resident_fraction(self, offset: int, length: int) -> float | None:
         return fileio.resident_fraction(self.fd, offset, length)
 
-    def reader(self) -> Source:
+    def reader(self, resident: bool = False) -> Source:
         """A new open file description of the file for one thread (buffered reads only: an
         O_DIRECT read has no readahead), advised sequential, reading in calls of READ_REQUEST
         bytes: the readahead each call starts then runs on while the thread is busy (a whole
-        chunk in one call waits for all of it); the source itself where the file cannot be
-        reopened (no /proc)."""
+        chunk in one call waits for all of it). Bytes already ``resident`` in the page cache
+        are read a whole chunk per call (each call gives the interpreter lock up and takes it
+        back, behind the other readers). The source itself where the file cannot be reopened
+        (no /proc)."""
         if self._in_use is not None:
             return self
         try:
@@ -260,7 +262,7 @@ class FileSource(_Descriptor, Source):
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         reader = FileSource(fd, self.path, owned=True, name=self.name)
-        reader.request = READ_REQUEST
+        reader.request = None if resident else READ_REQUEST
         return reader
 
     def map(self, offset: int, length: int) -> Mapping:

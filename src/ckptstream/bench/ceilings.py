@@ -4,7 +4,9 @@ cache, blocks taken in turn or one contiguous range per thread with readahead, 1
 1 to 64 MiB; hot page-cache reads; host memory's copy rate; on a GPU the pinned device-to-host
 and host-to-device copy rates, and a hot load's own ceiling: the page cache -> pinned buffers ->
 device pipeline at its best (``pipeline_read``), each byte crossing host memory three times. No
-serialisation, no checksums, no tensors.
+serialisation, no checksums, no tensors. (The one piece of the library used: the engine's way to
+queue copies by address without the interpreter lock, ``cudart``, which a bare loop needs too to
+reach the machine's rate.)
 
 ``run_ceilings`` is the worker's job that measures them all.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._engine import cudart
 from . import cache
 from .cache import Cold
 from .formats import MiB, short_number
@@ -94,7 +97,7 @@ def _schedule(nbytes: int, probe: Probe, block: int) -> list[list[tuple[int, int
     """Per thread, its blocks: one contiguous range each ("ranges"), or blocks t, t+T, t+2T, ...
     (together the threads sweep the file front to back)."""
     blocks, threads = _blocks(nbytes, block), probe.threads
-    if probe.how == "ranges":
+    if probe.how in ("ranges", "pinned-ranges"):
         per = -(-len(blocks) // threads)
         return [blocks[t * per : (t + 1) * per] for t in range(threads)]
     return [blocks[t::threads] for t in range(threads)]
@@ -126,7 +129,10 @@ class Probe:
     one contiguous range front to back in ``block`` reads, readahead advised: deep sequential
     streams, as the fastest loaders read)."""
 
-    how: str  # or "pinned": page cache -> two pinned buffers per thread -> device (pipeline_read)
+    # or "pinned": page cache -> two pinned buffers per thread -> device, blocks taken in turn and
+    # copied through torch; "pinned-ranges": one buffer per thread, one contiguous range each,
+    # copies queued by address without the interpreter lock (pipeline_read)
+    how: str
     threads: int
     block: int
 
@@ -169,14 +175,17 @@ def probes(kind: str, threads: Sequence[int], hot_threads: Sequence[int], nbytes
 
 def pipeline_probes(hot_threads: Sequence[int], nbytes: int) -> list[Probe]:
     """The sweep of a hot load into a GPU: each thread count x 16 MiB (and 8 threads, the
-    engine's default, where the machine has them), the most threads x 64 MiB."""
+    engine's default, where the machine has them), the most threads x 64 MiB; the most threads
+    x 8 and 16 MiB on ranges, one buffer each (a bare loop's fastest on an H200:
+    docs/benchmarks.md)."""
     if not hot_threads:
         return []
     most = max(hot_threads)
-    wanted = [(t, 16 * MiB) for t in sorted({*hot_threads, *([8] if most >= 8 else [])})] + [(most, 64 * MiB)]
+    wanted = [("pinned", t, 16 * MiB) for t in sorted({*hot_threads, *([8] if most >= 8 else [])})]
+    wanted += [("pinned", most, 64 * MiB), ("pinned-ranges", most, 8 * MiB), ("pinned-ranges", most, 16 * MiB)]
     out: list[Probe] = []
-    for t, b in wanted:
-        probe = Probe("pinned", t, min(b, block_for(nbytes)))
+    for how, t, b in wanted:
+        probe = Probe(how, t, min(b, block_for(nbytes)))
         if probe not in out and (t * probe.block <= nbytes or not out):
             out.append(probe)
     return out
@@ -236,24 +245,26 @@ def raw_read(path: str, nbytes: int, probe: Probe) -> float:
 
 def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.Tensor | None = None) -> float:
     """Seconds to move ``nbytes`` of ``path`` (in the page cache) into device memory: each thread
-    reads its blocks (taken in turn) into its two pinned buffers alternately, and copies each to
-    the device on a stream of its own while it reads the next. Into ``dst`` (uint8, where it
-    holds ``nbytes``) or a device ring of at most 1 GiB: no need for room for the whole state."""
+    reads its blocks into its pinned buffers in turn (two; one for "pinned-ranges") and copies
+    each to the device on a stream of its own while it reads the next. Into ``dst`` (uint8, where
+    it holds ``nbytes``) or a device ring of at most 1 GiB: no need for room for the whole state."""
     block, threads = probe.block, probe.threads
     ring = max(block, min(nbytes, 1 << 30) // block * block) if dst is None else dst.numel()
     if dst is None:
         dst = torch.empty(ring, dtype=torch.uint8, device=device)
+    count = 1 if probe.how == "pinned-ranges" else 2
     # torch's pinned memory (its host allocator keeps it for the process: a ceilings job's own)
-    pins = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
+    pins = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(count)] for _ in range(threads)]
     views = [[memoryview(p.numpy()).cast("B") for p in pair] for pair in pins]  # type: ignore[arg-type]
     streams = [torch.cuda.Stream(device) for _ in range(threads)]
+    copiers = [cudart.copier(s.cuda_stream) if probe.how == "pinned-ranges" else None for s in streams]
     turns = [0] * threads
-    pending: list[list[Any]] = [[None, None] for _ in range(threads)]
+    pending: list[list[Any]] = [[None] * count for _ in range(threads)]
     fd, _ = _open(path, os.O_RDONLY, direct=False)
 
     def work(t: int, blk: tuple[int, int]) -> None:
         off, length = blk
-        side = turns[t] % 2
+        side = turns[t] % count
         turns[t] += 1
         if pending[t][side] is not None:
             pending[t][side].synchronize()  # the buffer's previous copy is done
@@ -265,7 +276,10 @@ def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.
             done += n
         at = off % ring if off % ring + done <= ring else 0
         with torch.cuda.stream(streams[t]):
-            dst[at : at + done].copy_(buf[:done], non_blocking=True)
+            if (copy := copiers[t]) is not None:
+                copy(dst.data_ptr() + at, buf.data_ptr(), done)
+            else:
+                dst[at : at + done].copy_(buf[:done], non_blocking=True)
             pending[t][side] = streams[t].record_event()
 
     try:
