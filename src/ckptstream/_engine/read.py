@@ -327,7 +327,7 @@ class ReadEngine(Engine[Source]):
     def _result(self) -> list[int]:
         count = len(self.pieces if self._spans is None else self._spans)
         values = _checksum.span_crcs(count, self.part_crcs) if self.checksum else []
-        for wait, where in self._launch_checksums() if any(self.on_device) else ():
+        for wait, where in self._launch_checksums():
             for at, crc in zip(where, wait(), strict=True):
                 values[at] = crc
         self.streams.hand_back()
