@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,7 @@ def main() -> None:
                 run(system, args, device, root / system.replace(" ", "-"))
             except Exception as e:  # one system's failure leaves the others' figures
                 print(f"{system:34s} FAILED: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()
     finally:
         dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)

@@ -604,3 +604,27 @@ def test_an_interrupted_run_reports_the_systems_it_measured(tmp_path: Path) -> N
     assert "interrupted: the run stopped after the systems above" in stdout
     assert "ckptstream bench: interrupted; temporary files removed" in stderr
     assert list(work.iterdir()) == []
+
+
+def test_warm_phases_reuse_the_staging_and_count_it_others_allocate_their_own(tmp_path: Path) -> None:
+    """A warm phase (the benchmark's hot loads) reuses the pool the phase before it left, as a
+    training process and the peers' own buffers do, and its RSS counts that staging; any other
+    phase starts with none held. (A save, since CPU loads stage nothing.)"""
+    path = str(tmp_path / "state.safetensors")
+    state = {"w": torch.randn(3 * MiB // 4 + 7)}
+    group, held = Group("cpu"), []
+
+    def save() -> None:
+        held.append(ckptstream.staging_bytes())  # what the phase found in the pool as it began
+        ckptstream.save(state, path)
+
+    first, _ = worker.timed_phase(group, save, None, cache.Cold.FADVISE)
+    assert held[-1] == 0
+    assert first["staging"] > 0
+    warm, _ = worker.timed_phase(group, save, None, cache.Cold.FADVISE, warm=True)
+    assert held[-1] == first["staging"], "a warm phase did not find the staging the phase before left"
+    assert warm["rss"] >= warm["staging"], "the staging a warm phase reused is not in its RSS"
+    worker.timed_phase(group, save, None, cache.Cold.FADVISE)
+    assert held[-1] == 0, "a phase that is not warm ran with the staging of the phase before it"
+    assert torch.equal(ckptstream.load(path)["w"], state["w"])
+    ckptstream.release_staging()

@@ -34,21 +34,26 @@ from .systems import SYSTEMS, System, Variant, not_installed
 HOT_RUNS = 9  # hot loads per variant (the median is reported): single ones swing by more than verifying costs
 
 
-def timed_phase(group: Group, fn: Callable[[], Any], evict: list[str] | None, cold: Cold) -> tuple[dict[str, Any], Any]:
+def timed_phase(group: Group, fn: Callable[[], Any], evict: list[str] | None, cold: Cold,
+                warm: bool = False) -> tuple[dict[str, Any], Any]:
     """Run ``fn`` on all ranks at once (barrier-aligned), after evicting ``evict`` from the cache;
-    its seconds, peak RSS growth and the staging ckptstream held."""
+    its seconds, peak RSS growth and the staging ckptstream held. A ``warm`` phase (a hot load)
+    reuses the staging the phase before it left, as a training process reuses its pool (peers
+    keep their own buffers across loads alike); that staging counts in its RSS."""
     record: dict[str, Any] = {}
     group.barrier()
     if evict is not None:
         cache.evict(cold, evict, lead=group.lead)
         group.barrier()
         record["resident"] = cache.resident_fraction(evict)
+    if not warm:
+        ckptstream.release_staging()  # the phase allocates, and is charged for, the staging it uses
+    held = ckptstream.staging_bytes()
     release_memory()
     group.barrier()
     with PeakRss() as rss:
         record["seconds"], out = timed(fn, group.device)
-    record.update(rss=rss.growth, rss_method=rss.method, staging=ckptstream.staging_bytes())
-    ckptstream.release_staging()  # so that the next phase's RSS includes the staging it allocates itself
+    record.update(rss=rss.growth + held, rss_method=rss.method, staging=ckptstream.staging_bytes())
     group.barrier()
     return record, out
 
@@ -166,7 +171,7 @@ def _load(group: Group, state: Any, v: Variant, path: str, evict: list[str] | No
         touch(out)  # a lazily mapped load has finished only once its bytes are in memory
         return out
 
-    rec, out = timed_phase(group, load, evict, cold)
+    rec, out = timed_phase(group, load, evict, cold, warm=temp == "hot")
     assert_same(state, out, f"{v.label} ({temp} load of {path})")
     return rec
 
