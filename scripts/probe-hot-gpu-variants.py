@@ -1,10 +1,10 @@
 """Where the read engine loses against a bare copy loop on a hot load into one GPU: the engine
-as it is, and with one change at a time (reads in calls of 2 MiB, as cold readers read,
-instead of a whole chunk per call; no checksums; destinations given by ``load_into`` instead of
-allocated), beside a bare loop (each thread its contiguous
-range, whole-chunk ``os.preadv`` into its pinned buffer, ``cudaMemcpyAsync`` by address per
-tensor part on its own stream, events through ctypes) and InstantTensor's buffered backend, all
-in turns in one process. Run from the repository root on a GPU machine:
+as it is (its readers' ranges in the native loop, hotloop.c), and with one change at a time
+(the Python loop; no checksums; destinations given by ``load_into`` instead of allocated),
+beside a bare loop (each thread its contiguous range, whole-chunk ``os.preadv`` into its
+pinned buffer, ``cudaMemcpyAsync`` by address per tensor part on its own stream, events
+through ctypes) and InstantTensor's buffered backend, all in turns in one process. Run from the
+repository root on a GPU machine (after ``python setup.py build_ext --inplace``):
 PYTHONPATH=src python scripts/probe-hot-gpu-variants.py; PROBE_GIB sets the state's size."""
 import contextlib, ctypes, json, os, statistics, struct, threading, time
 import torch
@@ -44,15 +44,19 @@ say(f"saved {N / GiB:.2f} GiB in {len(ref)} tensors")
 
 
 @contextlib.contextmanager
-def patched(request_reads=False):
-    """request_reads: the hot readers read in calls of READ_REQUEST, as the cold ones do."""
-    saved = files.FileSource.reader
+def patched(request_reads=False, python_loop=False):
+    """request_reads: the hot readers read in calls of READ_REQUEST, as the cold ones do;
+    python_loop: the engine's Python loop, as where the native one (hotloop.c) is not built."""
+    from ckptstream._engine import hotloop
+    saved, library = files.FileSource.reader, hotloop.LIBRARY
     if request_reads:
         files.FileSource.reader = lambda self, resident=False: saved(self)
+    if python_loop:
+        hotloop.LIBRARY = None
     try:
         yield
     finally:
-        files.FileSource.reader = saved
+        files.FileSource.reader, hotloop.LIBRARY = saved, library
 
 
 def engine(checksum=True, into=None, **patch):
@@ -145,12 +149,12 @@ def main():
     for t in flat_tensors(into).values():
         t.zero_()  # poisoned: the warm round's comparison shows load_into filled them
     variants = {
-        "engine default": lambda: engine(),
-        "engine, reads of 2 MiB calls": lambda: engine(request_reads=True),
+        "engine default (native loop)": lambda: engine(),
+        "engine, Python loop": lambda: engine(python_loop=True),
         "engine default, checksum=False": lambda: engine(checksum=False),
+        "engine, Python loop, checksum=False": lambda: engine(checksum=False, python_loop=True),
         "engine load_into (no allocation)": lambda: engine(into=into),
         "bare 16 x 1 x 8 MiB": lambda: bare(16, 1, 8 * MiB),
-        "bare 16 x 2 x 8 MiB": lambda: bare(16, 2, 8 * MiB),
     }
     try:
         import instanttensor  # noqa: F401

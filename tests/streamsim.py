@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import crc32c
 import torch
@@ -88,6 +89,7 @@ class SimDevices:
     def __init__(self, copies_by_address: bool = True) -> None:
         self.by_address = copies_by_address  # False: as where no CUDA runtime is found
         self.copied_by_address = 0  # bytes queued that way
+        self.native_calls = 0  # threads that took the native loop's calls
         self.default = SimStream("default")  # the caller's stream
         self._local = threading.local()
         self.streams: list[SimStream] = [self.default]
@@ -132,6 +134,36 @@ class SimDevices:
             self.copied_by_address += nbytes
             stream.enqueue(run)
         return copy
+
+    def native(self, stream: SimStream, count: int) -> Any:
+        """The native hot-load loop's calls as C callbacks into this simulator: its copies are
+        queued on ``stream`` like the copier's, its events are ``count`` SimEvents (handles
+        1..count), so that the loop's waits are checked as the Python loop's are."""
+        from ckptstream._engine import hotloop
+
+        if not self.by_address:
+            return None
+        events = [SimEvent() for _ in range(count)]
+
+        def memcpy_async(dst: int, src: int, nbytes: int, kind: int, _stream: int | None) -> int:
+            self.copier(stream)(dst, src, nbytes)  # type: ignore[misc]
+            return 0
+
+        def record(event: int, _stream: int | None) -> int:
+            events[event - 1].record(stream)
+            return 0
+
+        def synchronize(event: int) -> int:
+            events[event - 1].synchronize()
+            return 0
+
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        fns = (ctypes.CFUNCTYPE(ctypes.c_int, P, P, I64, ctypes.c_int, P)(memcpy_async),
+               ctypes.CFUNCTYPE(ctypes.c_int, P, P)(record), ctypes.CFUNCTYPE(ctypes.c_int, P)(synchronize))
+        self.native_calls += 1
+        copy, mark, wait = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in fns)
+        return hotloop.Calls(copy, mark, wait, stream=0, events=list(range(1, count + 1)), keep=(fns, events),
+                             name_of=lambda status: "simulated")
 
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.numel() >= 64  # most tensors, so that the path is taken

@@ -13,6 +13,7 @@ context.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import signal
@@ -34,17 +35,21 @@ class Failure:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._where = 0
-        self.stopped = False
+        self.flag = ctypes.c_int32(0)  # the stop flag as native code reads it (hotloop.c)
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.flag.value)
 
     def record(self, error: BaseException, where: int = 0) -> None:
         """Keep ``error`` if it is the first, or earlier in the file than the one kept; stop."""
         with self._lock:
             if self.error is None or where < self._where:
                 self.error, self._where = error, where
-            self.stopped = True
+            self.flag.value = 1
 
     def stop(self) -> None:
-        self.stopped = True
+        self.flag.value = 1
 
     def raise_first(self) -> None:
         if self.error is not None:

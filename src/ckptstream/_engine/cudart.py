@@ -66,3 +66,22 @@ def copier(stream_handle: int) -> Copier | None:
             raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes to device address {dst:#x} failed: "
                                f"{name} ({status})")
     return copy
+
+
+def native_calls() -> tuple[int, int, int] | None:
+    """The addresses of ``cudaMemcpyAsync``, ``cudaEventRecord`` and ``cudaEventSynchronize`` in
+    the runtime torch loaded (for the native hot-load loop), or None where it is not found."""
+    lib = runtime()
+    if lib is None:
+        return None
+    try:
+        calls = lib.cudaMemcpyAsync, lib.cudaEventRecord, lib.cudaEventSynchronize
+    except AttributeError:
+        return None
+    a, b, c = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in calls)
+    return a, b, c
+
+
+def error_name(status: int) -> str:
+    lib = runtime()
+    return lib.cudaGetErrorString(status).decode(errors="replace") if lib is not None else "error"

@@ -43,6 +43,12 @@ BATCH = 8  # device parts in a run from which one copy and one gather / scatter 
 T = TypeVar("T", bound=Target)
 
 
+class _At:
+    """The chunk an I/O thread is at (-1: none yet): where its error, if any, lies in the file."""
+
+    index = -1
+
+
 class Engine(Generic[T]):
     """Moves ``pieces`` between tensors and ``file`` through staging buffers, on I/O threads of
     its own. Its copies follow the work queued on the CUDA streams of the thread that makes it
@@ -189,19 +195,24 @@ class Engine(Generic[T]):
         return contextlib.nullcontext()
 
     def _thread(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None]) -> None:
-        chunk = None
+        at = _At()
         try:
-            with self.streams.copying(), self.thread_io():
-                for buf in itertools.cycle(own):
-                    chunk = take()
-                    if chunk is None:
-                        return
-                    self._move(chunk, buf)
-                    self._progressed(chunk.stop - chunk.start)
+            with self.streams.copying(), self.thread_io() as io:
+                self._loop(own, take, io, at)
         except control.Stopped:
             pass
         except BaseException as e:
-            self.failure.record(e, chunk.index if chunk is not None else -1)
+            self.failure.record(e, at.index)
+
+    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: _At) -> None:
+        """An I/O thread's work: chunk by chunk, each through the thread's next buffer."""
+        for buf in itertools.cycle(own):
+            chunk = take()
+            if chunk is None:
+                return
+            at.index = chunk.index
+            self._move(chunk, buf)
+            self._progressed(chunk.stop - chunk.start)
 
     def _move(self, chunk: Chunk, buf: StagingBuffer | None) -> None:
         raise NotImplementedError

@@ -30,10 +30,10 @@ from .. import _checksum
 from .._errors import TruncatedFileError
 from .._settings import ALIGN, DirectIO, Settings
 from .._storage import Source, round_down, round_up
-from . import gpucrc, streams
+from . import gpucrc, hotloop, streams
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
-from .engine import BATCH, Engine
+from .engine import BATCH, Engine, _At
 from .plan import Chunk, Part, Piece
 from .tensor_bytes import copy_in
 
@@ -93,6 +93,7 @@ class ReadEngine(Engine[Source]):
         # source reads anywhere: a grid's whole blocks need the aligned staging buffers)
         self._unstaged = [self.grid == 1 and _host_runs(c, self.host) for c in self.chunks]
         self._local = threading.local()  # per I/O thread: its reader
+        self._native_events: list[Any] = []  # the native loop's events, kept while copies may run
         # per piece in device memory: the address of its bytes (for copies by address)
         self._address = [f.data_ptr() if f is not None and d is not None else 0
                          for f, d in zip(self.flat, self.device, strict=True)]
@@ -130,13 +131,47 @@ class ReadEngine(Engine[Source]):
         if count <= 1 or self._carry_order.any or self.grid != 1 or not self.file.sequential_readers:
             log.debug("%s: chunks taken in turns by %d thread(s)", self.file.name, count)
             return super().claims(count)
-        ranges = _split(self.chunks, count)
-        log.debug("%s: one contiguous range of the chunks per thread (%s chunks)", self.file.name,
-                  "/".join(str(len(r)) for r in ranges))
+        ranges = [_Range(r, self.failure, self.resident and all(map(self._plain, r)))
+                  for r in _split(self.chunks, count)]
+        log.debug("%s: one contiguous range of the chunks per thread (%s chunks; %d for the native loop)",
+                  self.file.name, "/".join(str(len(r.chunks)) for r in ranges), sum(r.native for r in ranges))
+        return list(ranges)
 
-        def taker(chunks: Iterator[Chunk]) -> Callable[[], Chunk | None]:
-            return lambda: None if self.failure.stopped else next(chunks, None)
-        return [taker(iter(r)) for r in ranges]
+    def _plain(self, chunk: Chunk) -> bool:
+        """Whether the native loop can move the chunk: every part a contiguous device tensor's,
+        copied by address, none checksummed from the staging buffer."""
+        return self.grid == 1 and not self._unstaged[chunk.index] and all(
+            self.flat[p.piece] is not None and self.device[p.piece] is not None
+            and (not self.checksum or self.on_device[p.piece])
+            and self.streams.copier(self.device[p.piece]) is not None for p in chunk.parts)  # type: ignore[arg-type]
+
+    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: _At) -> None:
+        if not (isinstance(take, _Range) and take.native and self._native_loop(own, take.chunks, io, at)):
+            super()._loop(own, take, io, at)
+
+    def _native_loop(self, own: list[StagingBuffer | None], chunks: Sequence[Chunk], io: object, at: _At) -> bool:
+        """Move the thread's range of chunks in one call of the native loop (hotloop), without
+        the interpreter lock; False, having moved nothing, where it is not built, the runtime
+        not found, or the reader has no descriptor."""
+        fd = io.descriptor() if isinstance(io, Source) else None
+        buffers = [b for b in own if b is not None]
+        device = self.device[chunks[0].parts[0].piece]
+        if fd is None or not buffers or device is None:
+            return False
+        calls = self.streams.native(device, len(buffers))
+        if calls is None:
+            return False
+        table = [(c.start, c.start - c.origin, c.stop - c.start, c.stop - c.start) for c in chunks]
+        address = self._address
+        parts = [[(p.at, address[p.piece] + p.lo, p.hi - p.lo) for p in c.parts] for c in chunks]
+        result = hotloop.run(fd, [b.ptr for b in buffers], calls, table, parts, self.failure.flag)
+        self._native_events.append(calls.keep)  # until the streams are synchronized
+        at.index = chunks[result.chunk].index
+        self._progressed(result.moved)
+        if result.file_end is not None:
+            self._truncated(result.file_end)
+        result.check(self.file.name, table[result.chunk], calls)
+        return True
 
     @contextlib.contextmanager
     def thread_io(self) -> Iterator[object]:
@@ -344,6 +379,18 @@ def _split(chunks: Sequence[Chunk], count: int) -> list[Sequence[Chunk]]:
             cuts.append(i + 1)
     cuts.append(len(chunks))
     return [chunks[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+
+
+class _Range:
+    """One I/O thread's contiguous range of chunks, taken in order (``native``: every chunk
+    plain, for the native loop)."""
+
+    def __init__(self, chunks: Sequence[Chunk], failure: Failure, native: bool) -> None:
+        self.chunks, self.native = chunks, native
+        self._next, self._failure = iter(chunks), failure
+
+    def __call__(self) -> Chunk | None:
+        return None if self._failure.stopped else next(self._next, None)
 
 
 def _host_runs(chunk: Chunk, host: list[memoryview | None]) -> bool:

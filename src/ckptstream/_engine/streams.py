@@ -8,6 +8,8 @@ through ``mark``. The engine then, from any thread:
 - ``enqueue(copy)`` inside ``copying()``: queue copies on the side streams (or, where
   ``copier(device)`` gives one, queue host-to-device copies by address without the
   interpreter lock, see ``cudart``);
+- ``native(device, count)``: the calls of the native loop that moves a hot load's chunks
+  (``hotloop``), queueing its copies on the same side stream;
 - ``record(devices)``: events marking a chunk's copies, which the I/O thread waits for before
   it writes the staging buffer to the file, or refills it from the file;
 - ``checksums(device, tensors)`` (or ``span_checksums``): CRC-32Cs computed on the device,
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import cudart, gpucrc
+from . import cudart, gpucrc, hotloop
 
 
 def check_stream(stream: object) -> None:
@@ -74,6 +76,18 @@ class CudaDevices:
     def copier(self, stream: Any) -> cudart.Copier | None:
         """Host-to-device copies by address on ``stream``, queued without the interpreter lock."""
         return cudart.copier(stream.cuda_stream)
+
+    def native(self, stream: Any, count: int) -> hotloop.Calls | None:
+        """The calls of the native hot-load loop on ``stream``, with ``count`` events of its own
+        (made in this thread, on the stream's device: torch makes an event at its first record)."""
+        calls = cudart.native_calls()
+        if calls is None:
+            return None
+        events = [torch.cuda.Event(blocking=True) for _ in range(count)]  # a waiting thread sleeps
+        for event in events:
+            event.record(stream)
+        return hotloop.Calls(*calls, stream=stream.cuda_stream, events=[e.cuda_event for e in events],
+                             keep=events, name_of=cudart.error_name)
 
     def checksums_on_device(self, flat: torch.Tensor) -> bool:
         return flat.is_cuda and gpucrc.eligible(flat) and gpucrc.usable(flat.device)
@@ -153,6 +167,14 @@ class Streams:
         if device not in self._copiers:  # threads racing here make the same one
             self._copiers[device] = DEVICES.copier(self._side[device]) if len(self._side) == 1 else None
         return self._copiers[device]
+
+    def native(self, device: torch.device, count: int) -> hotloop.Calls | None:
+        """The calls of the native hot-load loop on the side stream of ``device``, with
+        ``count`` events; None where the loop is not built or the runtime not found, or the
+        transfer has several devices (as ``copier``). In the I/O thread, inside ``copying()``."""
+        if hotloop.LIBRARY is None or len(self._side) != 1:
+            return None
+        return DEVICES.native(self._side[device], count)
 
     def record(self, devices: Iterable[torch.device]) -> list[Any]:
         """Events marking the copies enqueued so far on the side streams of ``devices``."""

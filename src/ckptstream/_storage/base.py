@@ -182,6 +182,12 @@ class Source(Target):
         only a reader that is not its source)."""
         return self
 
+    def descriptor(self) -> int | None:
+        """An open descriptor whose positional reads give this source's bytes, as ``read_into``
+        does (a local file read without O_DIRECT), for the read engine's native loop; None
+        where there is none."""
+        return None
+
     def resident_fraction(self, offset: int, length: int) -> float | None:
         """The fraction of bytes offset..offset+length already in memory (a local file's page
         cache): a hint for how many readers pay. None where unknown."""

@@ -242,6 +242,9 @@ class FileSource(_Descriptor, Source):
     def readv_into(self, views: Sequence[memoryview], offset: int) -> int:
         return fileio.preadv_all(self.fd, views, offset, self.path, self.request)
 
+    def descriptor(self) -> int | None:
+        return self.fd if self._in_use is None else None
+
     def resident_fraction(self, offset: int, length: int) -> float | None:
         return fileio.resident_fraction(self.fd, offset, length)
 
