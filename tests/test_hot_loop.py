@@ -61,12 +61,13 @@ def test_a_hot_load_moves_every_byte_through_the_native_loop(tmp_path: Path, sim
 @needs_loop
 def test_ranges_the_loop_cannot_move_take_the_python_loop_in_the_same_load(
         tmp_path: Path, sim: SimDevices, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor too small to checksum on the (simulated) device, alone, is checksummed from the
-    staging buffer: its reader's range keeps the Python loop, the other reader's goes native. A
+    """A tensor that the (simulated) device does not checksum is checksummed from the staging
+    buffer: its reader's range keeps the Python loop, the other reader's goes native. A
     non-contiguous target keeps the Python loop for every range (turns in file order)."""
     state = big_state()
     state["zz"] = torch.randn(5)
     path = hot_file(tmp_path, state)
+    monkeypatch.setattr(sim, "span_checksums_on_device", lambda memory, begins, ends: len(begins) > 1)
     moved: list[object] = []
     move = read.ReadEngine._move
 
@@ -189,7 +190,10 @@ def test_on_a_gpu_a_hot_load_takes_the_native_loop_and_checks_every_tensor(
         return result
 
     monkeypatch.setattr(hotloop, "run", counting)
-    state = big_state()
+    gen = torch.Generator().manual_seed(4)  # whole 32-bit words, which the device checksums take
+    state = {"a": torch.randn(100_003, generator=gen), "a_bias": torch.randn(7, generator=gen),
+             "b": torch.randint(-99, 99, (333, 1032), generator=gen, dtype=torch.int16),
+             "c": torch.randn(77, 513, generator=gen, dtype=torch.float64), "d": torch.empty(0)}
     path = hot_file(tmp_path, state)
     cfg = Settings(io_threads=1, num_buffers=4, buffer_size=64 << 10, hot_io_threads=4, direct_io="off")
     loaded = ckptstream.load(path, device="cuda", settings=cfg)
@@ -202,3 +206,44 @@ def test_on_a_gpu_a_hot_load_takes_the_native_loop_and_checks_every_tensor(
     path.read_bytes()
     with pytest.raises(CorruptCheckpointError, match=r"'b'.*CRC-32C|b.*CRC-32C"):
         ckptstream.load(path, device="cuda", settings=cfg)
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["load", "load_into"])
+def test_tensors_too_small_for_the_whole_tensor_kernel_are_checked_by_the_span_kernel(
+        tmp_path: Path, sim: SimDevices, monkeypatch: pytest.MonkeyPatch, into: bool) -> None:
+    """Lone small tensors between large ones go in the one launch of the span kernel (so no
+    reader's range keeps a checksum on the host), each value where its tensor's belongs: a
+    corrupted one is named."""
+    from ckptstream._checkpoint import blocks
+    from ckptstream.errors import CorruptCheckpointError
+    from tests.helpers import flip_last_byte
+
+    monkeypatch.setattr(blocks, "BLOCK", 16 << 10)  # on the simulated (CPU) device: as a GPU's 1 MiB
+    state = {"a": torch.randn(8001), "a_bias": torch.randn(7), "b": torch.randn(9000), "b_bias": torch.randn(5),
+             "c": torch.randn(8500)}
+    path = hot_file(tmp_path, state)
+    spans: list[int] = []
+    launch = sim.span_checksums
+
+    def counting(runs: Any) -> Any:
+        spans.extend(len(begins) for _, begins, _ in runs)
+        return launch(runs)
+
+    monkeypatch.setattr(sim, "span_checksums", counting)
+
+    def load() -> dict[str, torch.Tensor]:
+        if not into:
+            return ckptstream.load(path, mmap=False, settings=HOT)
+        targets = {k: torch.full_like(v, -7) for k, v in state.items()}
+        ckptstream.load_into(targets, path, settings=HOT)
+        return targets
+
+    loaded = load()
+    sim.drain()
+    assert spans.count(1) >= 2, f"the lone small tensors were not checksummed by the span kernel: {spans}"
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name
+    flip_last_byte(path, "b_bias")
+    path.read_bytes()
+    with pytest.raises(CorruptCheckpointError, match="b_bias"):
+        load()

@@ -85,8 +85,11 @@ class ReadEngine(Engine[Source]):
         self.on_device = [self.checksum and flat is not None and (spans is None or self._span_of[i] is not None)
                           and self.streams.checksums_on_device(flat[p.lo : p.hi])
                           for i, (p, flat) in enumerate(zip(self.pieces, self.flat, strict=True))]
-        # pieces that hold several spans (a run of small tensors), checksummed span by span on their device
-        self._spans_of = self._device_spans() if spans is not None and self.checksum else {}
+        # pieces checksummed by the span kernel on their device: those that hold several spans
+        # (a run of small tensors), and those too small for the whole-tensor kernel (all go in
+        # one launch, so a small tensor costs no launch of its own): per piece, the ranges of
+        # its bytes and where their values go
+        self._spans_of = self._device_spans() if self.checksum else {}
         for i in self._spans_of:
             self.on_device[i] = True
         # chunks read straight into host tensors: no staging buffer, no second copy (where the
@@ -98,18 +101,24 @@ class ReadEngine(Engine[Source]):
         self._address = [f.data_ptr() if f is not None and d is not None else 0
                          for f, d in zip(self.flat, self.device, strict=True)]
 
-    def _device_spans(self) -> dict[int, tuple[int, int]]:
-        """Per device piece of several spans whose spans the device can checksum: the range of
-        span indices it holds."""
-        out, spans, starts = {}, self._spans, self._span_starts
-        assert spans is not None
+    def _device_spans(self) -> dict[int, tuple[list[int], list[int], Sequence[int]]]:
+        """Per device piece the span kernel can checksum, not checksummed otherwise on its
+        device: its spans (or its bytes, as one span) as ranges of the piece's bytes, and the
+        indices of their values (span indices, or the piece's own without spans)."""
+        out: dict[int, tuple[list[int], list[int], Sequence[int]]] = {}
+        spans, starts = self._spans, self._span_starts
         for i, (p, flat) in enumerate(zip(self.pieces, self.flat, strict=True)):
-            if flat is None or self._span_of[i] is not None:
+            if flat is None or self.device[i] is None or self.on_device[i] or p.hi == p.lo:
                 continue
-            first, stop = bisect.bisect_left(starts, p.offset), bisect.bisect_left(starts, p.end)
-            begins, ends = self._relative(i, first, stop)
+            where: Sequence[int]
+            if spans is None or self._span_of[i] is not None:  # the piece is one tensor's bytes
+                begins, ends, where = [0], [p.hi - p.lo], [i if spans is None else self._span_of[i]]  # type: ignore[list-item]
+            else:
+                first, stop = bisect.bisect_left(starts, p.offset), bisect.bisect_left(starts, p.end)
+                begins, ends = self._relative(i, first, stop)
+                where = range(first, stop)
             if self.streams.span_checksums_on_device(flat[p.lo : p.hi], begins, ends):
-                out[i] = first, stop
+                out[i] = begins, ends, where
         return out
 
     def _relative(self, piece: int, first: int, stop: int) -> tuple[list[int], list[int]]:
@@ -237,9 +246,9 @@ class ReadEngine(Engine[Source]):
 
     def _launch_checksums(self) -> list[tuple[gpucrc.Waiter, Sequence[int]]]:
         """Launch the checksums of the pieces checksummed on their device, after their copies:
-        per device, one launch for the spans of the runs of small tensors (a launch costs more
-        than the bytes of a run), one for the other pieces. Returns the functions that wait for
-        each launch's values, with where those values go."""
+        per device, one launch for the spans (of runs of small tensors, and of tensors too small
+        for the other kernel: a launch costs more than their bytes), one for the other pieces.
+        Returns the functions that wait for each launch's values, with where those values go."""
         launched: list[tuple[gpucrc.Waiter, Sequence[int]]] = []
         whole: dict[Any, list[int]] = {}
         runs: dict[Any, list[int]] = {}
@@ -247,10 +256,10 @@ class ReadEngine(Engine[Source]):
             if picked:
                 (runs if i in self._spans_of else whole).setdefault(self.device[i], []).append(i)
         for device, pieces in runs.items():
-            spans = [range(*self._spans_of[i]) for i in pieces]
-            wait = self.streams.span_checksums(device, [(self._bytes(i), *self._relative(i, s.start, s.stop))
-                                                        for i, s in zip(pieces, spans, strict=True)])
-            launched.append((wait, [at for s in spans for at in s]))
+            taken = [self._spans_of[i] for i in pieces]
+            wait = self.streams.span_checksums(device, [(self._bytes(i), b, e) for i, (b, e, _) in zip(pieces, taken,
+                                                                                                   strict=True)])
+            launched.append((wait, [at for _, _, where in taken for at in where]))
         for device, pieces in whole.items():
             wait = self.streams.checksums(device, [self._bytes(i) for i in pieces])
             launched.append((wait, pieces if self._spans is None else [self._span_of[i] for i in pieces]))  # type: ignore[misc]
