@@ -6,11 +6,13 @@ the interpreter lock for the bookkeeping of every chunk, and queue behind one an
 range of chunks: per chunk, wait for the copies that last read the staging buffer, read the
 chunk into it, queue its parts' host-to-device copies, record the buffer's event. The CUDA
 calls are function pointers given by the caller (the runtime torch loaded, or the test suite's
-simulated GPU), so this file needs no CUDA headers and links against libc alone.
+simulated GPU), so this file needs no CUDA headers. Python calls it through ctypes; the module
+it also defines is empty, there so that importing the extension by its name works.
 
 Built by setup.py as an optional extension; where it is missing, the engine's Python loop runs
 (ckptstream/_engine/hotloop.py). */
 
+#include <Python.h>  /* only for the module's import (below): the loop itself is plain C */
 #include <errno.h>
 #include <stdint.h>
 #include <unistd.h>
@@ -78,4 +80,12 @@ int hot_load(int fd, char *const *bufs, void *const *events, int nbuf, int64_t n
         *done += ch[3];
     }
     return HOT_OK;
+}
+
+static struct PyModuleDef hotloop_module = {PyModuleDef_HEAD_INIT, "_hotloop",
+                                            "The hot-load loop, called through ctypes (hotloop.py).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__hotloop(void)
+{
+    return PyModule_Create(&hotloop_module);
 }
