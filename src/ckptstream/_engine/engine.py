@@ -43,7 +43,7 @@ BATCH = 8  # device parts in a run from which one copy and one gather / scatter 
 T = TypeVar("T", bound=Target)
 
 
-class _At:
+class At:
     """The chunk an I/O thread is at (-1: none yet): where its error, if any, lies in the file."""
 
     index = -1
@@ -195,7 +195,7 @@ class Engine(Generic[T]):
         return contextlib.nullcontext()
 
     def _thread(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None]) -> None:
-        at = _At()
+        at = At()
         try:
             with self.streams.copying(), self.thread_io() as io:
                 self._loop(own, take, io, at)
@@ -204,7 +204,7 @@ class Engine(Generic[T]):
         except BaseException as e:
             self.failure.record(e, at.index)
 
-    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: _At) -> None:
+    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: At) -> None:
         """An I/O thread's work: chunk by chunk, each through the thread's next buffer."""
         for buf in itertools.cycle(own):
             chunk = take()

@@ -9,6 +9,10 @@ first, then the wait for their values.
 
 Copies into non-contiguous tensors take turns in file order across the threads: an element cut
 by a chunk's end waits in a carry until the next chunk completes it.
+
+A hot load into one GPU gives each thread a contiguous range of the chunks; a range whose every
+chunk is plain (contiguous device tensors, copied by address, checksummed on the device) moves
+in one call of the native loop (hotloop), the same steps without the interpreter lock.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .._storage import Source, round_down, round_up
 from . import gpucrc, hotloop, streams
 from .buffers import StagingBuffer
 from .control import Failure, Stopped
-from .engine import BATCH, Engine, _At
+from .engine import BATCH, At, Engine
 from .plan import Chunk, Part, Piece
 from .tensor_bytes import copy_in
 
@@ -154,11 +158,11 @@ class ReadEngine(Engine[Source]):
             and (not self.checksum or self.on_device[p.piece])
             and self.streams.copier(self.device[p.piece]) is not None for p in chunk.parts)  # type: ignore[arg-type]
 
-    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: _At) -> None:
+    def _loop(self, own: list[StagingBuffer | None], take: Callable[[], Chunk | None], io: object, at: At) -> None:
         if not (isinstance(take, _Range) and take.native and self._native_loop(own, take.chunks, io, at)):
             super()._loop(own, take, io, at)
 
-    def _native_loop(self, own: list[StagingBuffer | None], chunks: Sequence[Chunk], io: object, at: _At) -> bool:
+    def _native_loop(self, own: list[StagingBuffer | None], chunks: Sequence[Chunk], io: object, at: At) -> bool:
         """Move the thread's range of chunks in one call of the native loop (hotloop), without
         the interpreter lock; False, having moved nothing, where it is not built, the runtime
         not found, or the reader has no descriptor."""
