@@ -6,7 +6,8 @@ without O_DIRECT), kvikio's `CuFile.pread` straight into device memory (its thre
 reads into pinned bounce buffers, or GPUDirect Storage where present), and ckptstream.load into
 the GPU and into host memory (mmap=False), checksums verified. Every figure is printed as it is
 measured. Run from the repository root on a GPU machine: PYTHONPATH=src python
-scripts/probe-load-mechanisms.py (PROBE_GIB sets the state's size, PROBE_ROUNDS the rounds)."""
+scripts/probe-load-mechanisms.py (PROBE_GIB sets the state's size, PROBE_ROUNDS the rounds,
+PROBE_ONLY=word,word the variants whose names hold one of the words)."""
 import ctypes, os, statistics, subprocess, sys, time
 import torch
 import ckptstream
@@ -151,6 +152,8 @@ def variants(cold):
 
 def run(cold):
     table = variants(cold)
+    if only := [w for w in os.environ.get("PROBE_ONLY", "").split(",") if w]:  # e.g. PROBE_ONLY=kvikio,ranges
+        table = {name: fn for name, fn in table.items() if any(w in name for w in only)}
     got = {name: [] for name in table}
     say(("cold" if cold else "hot") + f" reads of {SIZE / GiB:.2f} GiB, GB/s, {ROUNDS} rounds in turns")
     if not cold:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -176,12 +177,14 @@ def test_read_and_copy_errors_and_a_stop_are_raised_as_the_python_loop_raises_th
 @pytest.mark.gpu
 def test_on_a_gpu_a_hot_load_takes_the_native_loop_and_checks_every_tensor(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, through the runtime torch loaded: every reader's range in one call of the
-    native loop (counted), the bytes exact, and a corrupted tensor named by its checksum."""
+    """On a GPU, through the runtime torch loaded: every reader's range in calls of the native
+    loop (counted), the checksums of tensors complete between calls launched meanwhile, the
+    bytes exact, and a corrupted tensor named by its checksum."""
     from ckptstream.errors import CorruptCheckpointError
     from tests.helpers import flip_last_byte
 
     monkeypatch.setattr(read, "HOT_FROM", 0)
+    monkeypatch.setattr(read, "SEGMENT_FROM", 64 << 10)  # several calls per reader, checksums launched between
     calls, run = [], hotloop.run
 
     def counting(*args: Any) -> hotloop.Result:
@@ -247,3 +250,44 @@ def test_tensors_too_small_for_the_whole_tensor_kernel_are_checked_by_the_span_k
     path.read_bytes()
     with pytest.raises(CorruptCheckpointError, match="b_bias"):
         load()
+
+
+@needs_loop
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted"])
+def test_checksums_of_tensors_complete_between_calls_are_launched_while_the_load_runs(
+        tmp_path: Path, sim: SimDevices, monkeypatch: pytest.MonkeyPatch, corrupt: bool) -> None:
+    """Each reader moves its range in several calls and, after each, launches the checksums of
+    the tensors whose every part is queued by then, by any reader: each tensor once, after all
+    its copies (the simulated copies run only when waited for, so a checksum launched before
+    another reader queued its part of the tensor sees the poisoned bytes and fails the load).
+    A corrupted tensor is named as at the end."""
+    from ckptstream.errors import CorruptCheckpointError
+    from tests.helpers import flip_last_byte
+
+    monkeypatch.setattr(read, "SEGMENT_FROM", 64 << 10)  # several calls per reader
+    state = big_state()
+    path = hot_file(tmp_path, state)
+    launched: list[tuple[bool, list[int]]] = []  # (from an I/O thread, the pieces)
+    launch = read.ReadEngine._launch_checksums
+
+    def spy(self: read.ReadEngine, pieces: Any) -> Any:
+        launched.append((threading.current_thread() is not threading.main_thread(), list(pieces)))
+        return launch(self, pieces)
+
+    monkeypatch.setattr(read.ReadEngine, "_launch_checksums", spy)
+    if corrupt:
+        flip_last_byte(path, "b")  # "b" is cut between the two readers' ranges
+        path.read_bytes()
+        with pytest.raises(CorruptCheckpointError, match="'b'"):
+            ckptstream.load(path, mmap=False, settings=HOT)
+        return
+    targets = {k: torch.full_like(v, -7) for k, v in state.items()}
+    ckptstream.load_into(targets, path, settings=HOT)
+    sim.drain()
+    for name, t in state.items():
+        assert torch.equal(targets[name], t), name
+    pieces = [i for _, its in launched for i in its]
+    assert len(pieces) == len(set(pieces)), f"a checksum launched twice: {launched}"
+    assert len(pieces) == 3, launched  # a, b and c (d is empty)
+    if (os.cpu_count() or 1) >= 2:
+        assert any(early and its for early, its in launched), f"nothing launched while the load ran: {launched}"

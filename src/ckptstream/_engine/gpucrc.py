@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import threading
 import warnings
@@ -217,6 +218,8 @@ def spans_eligible(memory: torch.Tensor, begins: Sequence[int], ends: Sequence[i
     32-bit words."""
     if not begins or memory.data_ptr() % 4:
         return False
+    if len(begins) <= 16:  # a piece of one or a few tensors: cheaper without tensors
+        return all(b % 4 == 0 and e % 4 == 0 and 0 < e - b < SPAN_UP_TO for b, e in zip(begins, ends, strict=True))
     lo, hi = torch.tensor(begins, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64)
     return bool(((lo % 4 == 0) & (hi % 4 == 0) & (hi > lo) & (hi - lo < SPAN_UP_TO)).all())
 
@@ -230,7 +233,13 @@ def eligible(t: torch.Tensor) -> bool:
 def finish(register: int, nbytes: int) -> int:
     """The CRC-32C of ``nbytes`` bytes whose register from 0 (no inversions) is ``register``:
     the register is linear in the bytes, so add what the initial all-ones contribute."""
-    return (register & 0xFFFFFFFF) ^ _checksum.multiply(_checksum.shift(nbytes), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return (register & 0xFFFFFFFF) ^ _ones(nbytes)
+
+
+@functools.lru_cache(maxsize=1024)  # a state's tensors have few distinct lengths
+def _ones(nbytes: int) -> int:
+    """What the initial all-ones register and the final inversion add to a CRC of ``nbytes``."""
+    return _checksum.multiply(_checksum.shift(nbytes), 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 def usable(device: torch.device) -> bool:

@@ -47,6 +47,12 @@ def _load() -> ctypes.CDLL | None:
 LIBRARY = _load()
 
 
+def _synchronize(address: int) -> Any:
+    """The event-synchronize call at ``address`` (a C function pointer), callable from Python;
+    ctypes gives the interpreter lock up while it waits."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, _P)(address)
+
+
 @dataclasses.dataclass
 class Calls:
     """The device calls of one side stream, as C function pointers, and the events of a
@@ -59,6 +65,15 @@ class Calls:
     events: list[int]
     keep: Any = None
     name_of: Any = None  # status -> the runtime's name for it (cudaGetErrorString)
+
+    def wait_all(self) -> None:
+        """Wait for the copies out of every buffer (a call's loop refills its buffers from the
+        first without waiting: it knows only its own copies)."""
+        for event in self.events:
+            status = _synchronize(self.synchronize)(event)
+            if status != 0:
+                name = self.name_of(status) if self.name_of is not None else "error"
+                raise RuntimeError(f"cudaEventSynchronize failed between calls of the hot-load loop: {name} ({status})")
 
 
 @dataclasses.dataclass

@@ -12,7 +12,10 @@ by a chunk's end waits in a carry until the next chunk completes it.
 
 A hot load into one GPU gives each thread a contiguous range of the chunks; a range whose every
 chunk is plain (contiguous device tensors, copied by address, checksummed on the device) moves
-in one call of the native loop (hotloop), the same steps without the interpreter lock.
+in a few calls of the native loop (hotloop), the same steps without the interpreter lock. Between
+two calls the thread launches the device checksums of the tensors whose every chunk has been
+queued by then, by any thread: they run on the side stream while the rest is read, rather than
+all after the last copy.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from .plan import Chunk, Part, Piece
 from .tensor_bytes import copy_in
 
 log = logging.getLogger(__name__)
+
+# A native range is moved in up to SEGMENTS calls of at least SEGMENT_FROM bytes each: between two,
+# the checksums of the tensors complete by then are launched (docs/benchmarks.md, "The hot-load
+# loop in C"; a launch costs the interpreter lock for about a tenth of a millisecond).
+SEGMENTS, SEGMENT_FROM = 4, 64 << 20
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -96,6 +104,16 @@ class ReadEngine(Engine[Source]):
         self._spans_of = self._device_spans() if self.checksum else {}
         for i in self._spans_of:
             self.on_device[i] = True
+        # per piece checksummed on its device: its parts not yet queued, counted down by the
+        # native loop's calls; a piece at 0 has its checksum launched then (``_launch_moved``)
+        self._checks_on_device = any(self.on_device)
+        self._unqueued = [0] * len(self.pieces)
+        for chunk in self.chunks if self._checks_on_device else ():
+            for part in chunk.parts:
+                self._unqueued[part.piece] += self.on_device[part.piece]
+        self._launched = [False] * len(self.pieces)
+        self._early: list[tuple[gpucrc.Waiter, Sequence[int]]] = []  # checksums launched while the load runs
+        self._early_lock = threading.Lock()
         # chunks read straight into host tensors: no staging buffer, no second copy (where the
         # source reads anywhere: a grid's whole blocks need the aligned staging buffers)
         self._unstaged = [self.grid == 1 and _host_runs(c, self.host) for c in self.chunks]
@@ -163,9 +181,10 @@ class ReadEngine(Engine[Source]):
             super()._loop(own, take, io, at)
 
     def _native_loop(self, own: list[StagingBuffer | None], chunks: Sequence[Chunk], io: object, at: At) -> bool:
-        """Move the thread's range of chunks in one call of the native loop (hotloop), without
-        the interpreter lock; False, having moved nothing, where it is not built, the runtime
-        not found, or the reader has no descriptor."""
+        """Move the thread's range of chunks in a few calls of the native loop (hotloop), each
+        without the interpreter lock, the checksums complete after each launched; False, having
+        moved nothing, where it is not built, the runtime not found, or the reader has no
+        descriptor."""
         fd = io.descriptor() if isinstance(io, Source) else None
         buffers = [b for b in own if b is not None]
         device = self.device[chunks[0].parts[0].piece]
@@ -174,17 +193,43 @@ class ReadEngine(Engine[Source]):
         calls = self.streams.native(device, len(buffers))
         if calls is None:
             return False
-        table = [(c.start, c.start - c.origin, c.stop - c.start, c.stop - c.start) for c in chunks]
-        address = self._address
-        parts = [[(p.at, address[p.piece] + p.lo, p.hi - p.lo) for p in c.parts] for c in chunks]
-        result = hotloop.run(fd, [b.ptr for b in buffers], calls, table, parts, self.failure.flag)
         self._native_events.append(calls.keep)  # until the streams are synchronized
-        at.index = chunks[result.chunk].index
-        self._progressed(result.moved)
-        if result.file_end is not None:
-            self._truncated(result.file_end)
-        result.check(self.file.name, table[result.chunk], calls)
+        nbytes = sum(c.stop - c.start for c in chunks)
+        segments = _split(chunks, max(1, min(SEGMENTS, nbytes // SEGMENT_FROM)))
+        address = self._address
+        for k, segment in enumerate(segments):
+            if k:
+                calls.wait_all()  # each call's loop fills the buffers afresh
+            table = [(c.start, c.start - c.origin, c.stop - c.start, c.stop - c.start) for c in segment]
+            parts = [[(p.at, address[p.piece] + p.lo, p.hi - p.lo) for p in c.parts] for c in segment]
+            result = hotloop.run(fd, [b.ptr for b in buffers], calls, table, parts, self.failure.flag)
+            at.index = segment[result.chunk].index
+            self._progressed(result.moved)
+            if result.file_end is not None:
+                self._truncated(result.file_end)
+            result.check(self.file.name, table[result.chunk], calls)
+            if self._checks_on_device:
+                self._launch_moved(segment)
         return True
+
+    def _launch_moved(self, segment: Sequence[Chunk]) -> None:
+        """Count down the parts of ``segment`` (their copies are queued) and launch the
+        checksums of the pieces that no thread has a part of left to queue: they follow those
+        copies on the side stream (copies are queued there before they are counted)."""
+        with self._early_lock:
+            done = []
+            for chunk in segment:
+                for part in chunk.parts:
+                    i = part.piece
+                    if self.on_device[i] and not self._launched[i]:
+                        self._unqueued[i] -= 1
+                        if self._unqueued[i] == 0:
+                            self._launched[i] = True
+                            done.append(i)
+        if done:
+            launched = self._launch_checksums(done)
+            with self._early_lock:
+                self._early += launched
 
     @contextlib.contextmanager
     def thread_io(self) -> Iterator[object]:
@@ -248,17 +293,16 @@ class ReadEngine(Engine[Source]):
             view = buf.view
             self._chunk_crcs(chunk, lambda p: view[p.at : p.at + p.hi - p.lo])
 
-    def _launch_checksums(self) -> list[tuple[gpucrc.Waiter, Sequence[int]]]:
-        """Launch the checksums of the pieces checksummed on their device, after their copies:
+    def _launch_checksums(self, pieces: Sequence[int]) -> list[tuple[gpucrc.Waiter, Sequence[int]]]:
+        """Launch the checksums of ``pieces`` (checksummed on their device), after their copies:
         per device, one launch for the spans (of runs of small tensors, and of tensors too small
         for the other kernel: a launch costs more than their bytes), one for the other pieces.
         Returns the functions that wait for each launch's values, with where those values go."""
         launched: list[tuple[gpucrc.Waiter, Sequence[int]]] = []
         whole: dict[Any, list[int]] = {}
         runs: dict[Any, list[int]] = {}
-        for i, picked in enumerate(self.on_device):
-            if picked:
-                (runs if i in self._spans_of else whole).setdefault(self.device[i], []).append(i)
+        for i in pieces:
+            (runs if i in self._spans_of else whole).setdefault(self.device[i], []).append(i)
         for device, pieces in runs.items():
             taken = [self._spans_of[i] for i in pieces]
             wait = self.streams.span_checksums(device, [(self._bytes(i), b, e) for i, (b, e, _) in zip(pieces, taken,
@@ -375,7 +419,8 @@ class ReadEngine(Engine[Source]):
     def _result(self) -> list[int]:
         count = len(self.pieces if self._spans is None else self._spans)
         values = _checksum.span_crcs(count, self.part_crcs) if self.checksum else []
-        for wait, where in self._launch_checksums():
+        rest = [i for i, picked in enumerate(self.on_device) if picked and not self._launched[i]]
+        for wait, where in self._early + self._launch_checksums(rest):
             for at, crc in zip(where, wait(), strict=True):
                 values[at] = crc
         self.streams.hand_back()
