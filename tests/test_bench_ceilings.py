@@ -97,11 +97,15 @@ def test_a_hot_load_into_a_gpu_is_held_to_the_best_pipeline_where_one_was_measur
 
 def test_the_pipeline_sweep_tries_the_engines_threads_and_deep_buffers() -> None:
     assert ceilings.pipeline_probes([], 8 << 30) == []
+    from ckptstream._engine import cudart, hotloop
+
+    native = hotloop.LIBRARY is not None and cudart.native_calls() is not None  # the C loop's probe too
     labels = [p.label for p in ceilings.pipeline_probes([16], 8 << 30)]
     assert labels == ["pinned 8x16MiB", "pinned 16x16MiB", "pinned 16x64MiB", "pinned-ranges 16x8MiB",
-                      "pinned-ranges 16x16MiB"]
+                      "pinned-ranges 16x16MiB", *(["native-ranges 16x8MiB"] if native else [])]
     assert [p.label for p in ceilings.pipeline_probes([1, 4], 8 << 30)] == [
-        "pinned 1x16MiB", "pinned 4x16MiB", "pinned 4x64MiB", "pinned-ranges 4x8MiB", "pinned-ranges 4x16MiB"]
+        "pinned 1x16MiB", "pinned 4x16MiB", "pinned 4x64MiB", "pinned-ranges 4x8MiB", "pinned-ranges 4x16MiB",
+        *(["native-ranges 4x8MiB"] if native else [])]
     small = ceilings.pipeline_probes([16], 32 * MiB)
     assert small
     assert all(p.threads * p.block <= 32 * MiB for p in small[1:])
@@ -109,11 +113,16 @@ def test_the_pipeline_sweep_tries_the_engines_threads_and_deep_buffers() -> None
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("how", "threads", "block"), [("pinned", 3, MiB), ("pinned", 16, 2 * MiB),
-                                                       ("pinned-ranges", 3, MiB), ("pinned-ranges", 16, 2 * MiB)])
+                                                       ("pinned-ranges", 3, MiB), ("pinned-ranges", 16, 2 * MiB),
+                                                       ("native-ranges", 3, MiB), ("native-ranges", 16, 2 * MiB)])
 def test_the_pipeline_moves_every_byte_of_the_file_into_the_device(tmp_path: Path, how: str, threads: int,
                                                                    block: int) -> None:
     import torch
 
+    from ckptstream._engine import hotloop
+
+    if how == "native-ranges" and hotloop.LIBRARY is None:
+        pytest.skip("the native loop is not built (setup.py)")
     nbytes = 7 * MiB + 4096 * 3  # a short last block
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     path = tmp_path / "raw"

@@ -24,6 +24,7 @@ a missing wait shows on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -138,6 +139,8 @@ class Streams:
         self._ready = {device: ready for device, (_, ready) in after.items()}
         self._side: dict[torch.device, Any] = {}
         self._copiers: dict[torch.device, cudart.Copier | None] = {}
+        self._checking: dict[torch.device, Any] = {}  # per device: the stream of a load's device checksums
+        self._checking_lock = threading.Lock()
 
     def device_of(self, t: torch.Tensor) -> torch.device | None:
         return DEVICES.device_of(t)
@@ -191,8 +194,9 @@ class Streams:
         return DEVICES.device_of(flat) is not None and DEVICES.checksums_on_device(flat)
 
     def checksums(self, device: torch.device, tensors: list[torch.Tensor]) -> gpucrc.Waiter:
-        """CRC-32Cs of contiguous byte tensors of ``device``, launched on its side stream, after
-        the copies enqueued so far; the function returned waits for them."""
+        """CRC-32Cs of contiguous byte tensors of ``device``, launched after the copies enqueued
+        so far on its side stream (beside those queued later); the function returned waits for
+        them."""
         with self._after_copies(device):
             return DEVICES.checksums(tensors)
 
@@ -209,17 +213,24 @@ class Streams:
 
     @contextlib.contextmanager
     def _after_copies(self, device: torch.device) -> Iterator[None]:
-        """The side stream of ``device``, current: what is queued now runs after the copies."""
-        with DEVICES.use(self._side[device]), torch.no_grad():
+        """A stream of the device's checksums, current, waiting for the copies queued so far on
+        its side stream: what is queued now runs after those copies and beside the later ones
+        (a kernel on the side stream itself would hold back every copy queued after it)."""
+        with self._checking_lock:
+            if device not in self._checking:
+                self._checking[device] = DEVICES.new_stream(device)
+            checking = self._checking[device]
+            checking.wait_event(self._side[device].record_event())
+        with DEVICES.use(checking), torch.no_grad():
             yield
 
     def hand_back(self) -> None:
-        for device, side in self._side.items():
+        for device, side in self._side.items():  # (a load's checksum streams are done: their values were read)
             self._caller[device].wait_stream(side)
 
     def synchronize(self) -> None:
-        for side in self._side.values():
-            side.synchronize()
+        for stream in [*self._side.values(), *self._checking.values()]:
+            stream.synchronize()
 
 
 make = Streams

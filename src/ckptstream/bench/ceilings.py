@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import mmap
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .._engine import cudart
+from .._engine import cudart, hotloop
+from .._engine import streams as engine_streams
 from . import cache
 from .cache import Cold
 from .formats import MiB, short_number
@@ -97,7 +99,7 @@ def _schedule(nbytes: int, probe: Probe, block: int) -> list[list[tuple[int, int
     """Per thread, its blocks: one contiguous range each ("ranges"), or blocks t, t+T, t+2T, ...
     (together the threads sweep the file front to back)."""
     blocks, threads = _blocks(nbytes, block), probe.threads
-    if probe.how in ("ranges", "pinned-ranges"):
+    if probe.how in ("ranges", "pinned-ranges", "native-ranges"):
         per = -(-len(blocks) // threads)
         return [blocks[t * per : (t + 1) * per] for t in range(threads)]
     return [blocks[t::threads] for t in range(threads)]
@@ -131,7 +133,8 @@ class Probe:
 
     # or "pinned": page cache -> two pinned buffers per thread -> device, blocks taken in turn and
     # copied through torch; "pinned-ranges": one buffer per thread, one contiguous range each,
-    # copies queued by address without the interpreter lock (pipeline_read)
+    # copies queued by address without the interpreter lock; "native-ranges": the same moved by
+    # the C loop of hot loads (hotloop.c), one call per thread, a descriptor each (pipeline_read)
     how: str
     threads: int
     block: int
@@ -183,6 +186,8 @@ def pipeline_probes(hot_threads: Sequence[int], nbytes: int) -> list[Probe]:
     most = max(hot_threads)
     wanted = [("pinned", t, 16 * MiB) for t in sorted({*hot_threads, *([8] if most >= 8 else [])})]
     wanted += [("pinned", most, 64 * MiB), ("pinned-ranges", most, 8 * MiB), ("pinned-ranges", most, 16 * MiB)]
+    if hotloop.LIBRARY is not None and cudart.native_calls() is not None:
+        wanted += [("native-ranges", most, 8 * MiB)]
     out: list[Probe] = []
     for how, t, b in wanted:
         probe = Probe(how, t, min(b, block_for(nbytes)))
@@ -252,6 +257,8 @@ def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.
     ring = max(block, min(nbytes, 1 << 30) // block * block) if dst is None else dst.numel()
     if dst is None:
         dst = torch.empty(ring, dtype=torch.uint8, device=device)
+    if probe.how == "native-ranges":
+        return _native_pipeline(path, nbytes, probe, dst)
     count = 1 if probe.how == "pinned-ranges" else 2
     # torch's pinned memory (its host allocator keeps it for the process: a ceilings job's own)
     pins = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(count)] for _ in range(threads)]
@@ -293,6 +300,41 @@ def pipeline_read(path: str, nbytes: int, probe: Probe, device: str, dst: torch.
         torch.cuda.synchronize(device)
         for view in (v for pair in views for v in pair):
             view.release()
+
+
+def _native_pipeline(path: str, nbytes: int, probe: Probe, dst: torch.Tensor) -> float:
+    """``pipeline_read`` through the C loop of hot loads: each thread one call for its range,
+    one pinned buffer, its own descriptor (readahead per thread), its blocks copied by address
+    into the ring ``dst`` on a stream of its own. What the read engine's hot load does, without
+    its plan, tensors and checksums."""
+    ring, base = dst.numel(), dst.data_ptr()
+    plans = _schedule(nbytes, probe, probe.block)
+    pins = [torch.empty(probe.block, dtype=torch.uint8, pin_memory=True) for _ in plans]
+    streams = [torch.cuda.Stream(dst.device) for _ in plans]
+    stop = ctypes.c_int32(0)
+
+    def work(t: int) -> None:
+        torch.cuda.set_device(dst.device)  # the runtime queues copies through the thread's device
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            calls = engine_streams.DEVICES.native(streams[t], 1)
+            assert calls is not None
+            table = [(off, 0, min(length, nbytes - off), min(length, nbytes - off)) for off, length in plans[t]]
+            at = [off % ring if off % ring + length <= ring else 0 for off, _, length, _ in table]
+            parts = [[(0, base + a, length)] for a, (_, _, length, _) in zip(at, table, strict=True)]
+            result = hotloop.run(fd, [pins[t].data_ptr()], calls, table, parts, stop)
+            result.check(path, table[result.chunk], calls)
+            streams[t].synchronize()
+        finally:
+            os.close(fd)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(plans), "bench-native") as pool:
+        for f in [pool.submit(work, t) for t in range(len(plans)) if plans[t]]:
+            f.result()
+    return time.perf_counter() - start
 
 
 def host_copy_rate(nbytes: int) -> float:
