@@ -535,7 +535,8 @@ PLANNED = {"compression.py"}
 
 # the ceilings' bare pipelines queue their copies as the engine does, without the interpreter
 # lock, one through the engine's own C loop
-HARDWARE = {("ceilings.py", "_engine"), ("ceilings.py", "_engine.cudart"), ("ceilings.py", "_engine.streams")}
+HARDWARE = {("ceilings.py", "_engine"), ("ceilings.py", "_engine.cudart"), ("ceilings.py", "_engine.hotloop"),
+            ("ceilings.py", "_engine.streams")}
 
 
 def test_the_benchmark_uses_the_public_api_only() -> None:
