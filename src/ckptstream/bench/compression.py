@@ -124,17 +124,19 @@ class Trained:
 
 
 def train(size_bytes: int, steps: int, *, batch: int = 2, seq: int = 128, lr: float = 1e-3,
-          seed: int = 0, corpus_bytes: int = 4 * MiB, progress: Callable[[str], None] | None = None) -> Trained:
+          seed: int = 0, corpus_bytes: int = 4 * MiB, progress: Callable[[str], None] | None = None,
+          device: str = "cpu") -> Trained:
     """The state after ``steps`` AdamW steps (warmup then cosine decay, weight decay 0.1 on the
     matrices, gradients clipped at 1), as a bf16 mixed-precision run would hold it.
 
     Windows of ``seq`` tokens (short, for a CPU) at a random position of the ``N_CTX`` context,
-    so that every row of the position embedding trains, as in a run with full-length sequences."""
+    so that every row of the position embedding trains, as in a run with full-length sequences.
+    ``device``: where the model trains (the same initial state and batches on any device)."""
     torch.manual_seed(seed)
     dims = gpt_dims(size_bytes)
     _, layers, vocab = dims
-    tokens = corpus(vocab, corpus_bytes)
-    params = init_params(size_bytes, seed)
+    tokens = corpus(vocab, corpus_bytes).to(device)
+    params = {n: p.detach().to(device).requires_grad_() for n, p in init_params(size_bytes, seed).items()}
     decay = [p for p in params.values() if p.dim() >= 2]
     no_decay = [p for p in params.values() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
