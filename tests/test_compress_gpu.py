@@ -109,6 +109,7 @@ def test_decoding_refuses_what_it_cannot_fill():
 
 @pytest.mark.parametrize(("width", "count", "chunk", "which"), [
     (2, 10_007, 1024, "all"), (4, 4096, 1024, "all"), (4, 4097, 1024, "odd"), (8, 33, 64, "last"), (2, 1, 2, "all"),
+    (1, 5000, 1024, "odd"), (1, 3000, 1000, "all"),
 ])
 def test_batched_grouping_matches_chunk_by_chunk_and_undoes_the_chosen_chunks(width, count, chunk, which, device):
     data = random_bytes(count * width, device)

@@ -58,8 +58,8 @@ def _codec(device: torch.device, chunk_bytes: int) -> Any:
 
 def _group_into(data: torch.Tensor, planes: torch.Tensor, bounds: list[tuple[int, int]], stride: int,
                 width: int) -> None:
-    """Chunk k of ``data`` (``bounds[k]``), byte-grouped, at ``planes[k * stride:]``: the full
-    chunks in one batched transpose, a shorter last one alone."""
+    """Chunk k of ``data`` (``bounds[k]``), byte-grouped (a plain copy for a width of 1), at
+    ``planes[k * stride:]``: the full chunks in one batched transpose, a shorter last one alone."""
     full = sum(1 for lo, hi in bounds if hi - lo == stride)
     if full:
         src = data[: full * stride].view(full, stride // width, width)
@@ -73,10 +73,12 @@ def _ungroup_into(planes: torch.Tensor, data: torch.Tensor, bounds: list[tuple[i
                   width: int, which: list[int]) -> None:
     """The inverse of ``_group_into`` for the chunks ``which`` (ascending): each run of
     consecutive full chunks in one batched transpose, any other chunk alone."""
+    def full(k: int) -> bool:
+        return bounds[k][1] - bounds[k][0] == stride
+
     runs: list[list[int]] = []
     for k in which:
-        full = bounds[k][1] - bounds[k][0] == stride
-        if full and runs and runs[-1][-1] == k - 1 and bounds[runs[-1][-1]][1] - bounds[runs[-1][-1]][0] == stride:
+        if runs and runs[-1][-1] == k - 1 and full(k - 1) and full(k):
             runs[-1].append(k)
         else:
             runs.append([k])
@@ -118,11 +120,7 @@ def encode(t: torch.Tensor, chunk_bytes: int, width: int, *, keep_below: float =
     nv = _nvcomp()
     codec, stream = _codec(t.device, chunk_bytes)
     planes = torch.empty(len(bounds) * chunk_bytes, dtype=torch.uint8, device=t.device)
-    if width > 1:
-        _group_into(data, planes, bounds, chunk_bytes, width)
-    else:
-        for k, (lo, hi) in enumerate(bounds):
-            planes[k * chunk_bytes : k * chunk_bytes + hi - lo] = data[lo:hi]
+    _group_into(data, planes, bounds, chunk_bytes, width)
     crcs = _crcs(data, bounds)
     sizes = [hi - lo for lo, hi in bounds]
     frames = codec.encode(nv.as_arrays(planes, [k * chunk_bytes for k in range(len(bounds))], sizes, stream))
@@ -192,9 +190,4 @@ def _decode_frames(stored: list[Chunk], framed: list[int], bounds: list[tuple[in
     for k, n, want in zip(framed, got, sizes, strict=True):
         if n != want:
             raise CorruptCheckpointError(f"{name}: chunk {k} decodes to {n} bytes, expected {want}")
-    if width > 1:
-        _ungroup_into(planes, dst, bounds, stride, width, framed)
-    else:
-        for k in framed:
-            lo, hi = bounds[k]
-            dst[lo:hi] = planes[k * stride : k * stride + hi - lo]
+    _ungroup_into(planes, dst, bounds, stride, width, framed)
